@@ -1,0 +1,365 @@
+"""The artifact contract: every table the pipeline stages exchange, as Arrow schemas.
+
+Each artifact is one zstd Parquet file whose footer metadata carries its kind and schema version.
+`read_artifact` validates a file against its kind and raises `ArtifactError` naming the file, the
+column and what was expected vs found; `write_artifact` validates too, then writes atomically
+through `dynamicrubric.store`, so a reader never sees a half-written or malformed artifact.
+
+Kinds (keys in brackets):
+- prompts      [prompt_id]                            tasks for the policy, optional reference answer
+- rollouts     [prompt_id, sample_idx]                K policy responses per prompt
+- rubrics      [prompt_id, rubric_idx]                one rubric sample (M weighted items) per row
+- judgments    [prompt_id, rubric_idx, item_idx, sample_idx]   verifier yes/no per item and response
+- scores       [prompt_id, rubric_idx, sample_idx]    aggregated score per response
+- rewards      [prompt_id, rubric_idx]                generator rewards R_disc, R_anchor per rubric
+- diagnostics  [prompt_id, rubric_idx]                signal diagnostics per candidate set and rubric
+- anchors      [list_id, sample_idx]                  ranked response lists (rank 1 = best)
+- metrics      [round, stage, variant, name, step]    numbers for MLflow and reports
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from dynamicrubric import store
+
+SCHEMA_VERSION = "1"
+KIND_KEY = b"dynamicrubric.kind"
+VERSION_KEY = b"dynamicrubric.schema_version"
+
+RUBRIC_ITEM = pa.struct(
+    [pa.field("text", pa.string(), nullable=False), pa.field("weight", pa.int8(), nullable=False)]
+)
+
+
+class ArtifactError(ValueError):
+    """An artifact that does not match its contract; the message names file, column, expected vs found."""
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    schema: pa.Schema
+    keys: tuple[str, ...]
+    min_rows: int = 0
+    # column -> (low, high) inclusive bounds checked on every read and write
+    ranges: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+def _f(name: str, type_: pa.DataType, nullable: bool = False) -> pa.Field:
+    return pa.field(name, type_, nullable=nullable)
+
+
+KINDS: dict[str, Kind] = {
+    k.name: k
+    for k in [
+        Kind(
+            "prompts",
+            pa.schema(
+                [
+                    _f("prompt_id", pa.string()),
+                    _f("task", pa.string()),  # e.g. "basic_arithmetic", "humaneval", "user"
+                    _f("prompt", pa.string()),
+                    _f("reference", pa.string(), nullable=True),  # reference answer, if any
+                    _f("meta", pa.string(), nullable=True),  # JSON the task's scorer needs
+                ]
+            ),
+            keys=("prompt_id",),
+            min_rows=1,
+        ),
+        Kind(
+            "rollouts",
+            pa.schema(
+                [
+                    _f("prompt_id", pa.string()),
+                    _f("sample_idx", pa.int32()),
+                    _f("prompt", pa.string()),
+                    _f("response", pa.string()),
+                    _f("num_tokens", pa.int32()),
+                    _f("finish_reason", pa.string()),  # "stop" | "length"
+                    _f("policy", pa.string()),
+                    _f("seed", pa.int64()),
+                ]
+            ),
+            keys=("prompt_id", "sample_idx"),
+            min_rows=1,
+            ranges={"sample_idx": (0, 2**31 - 1), "num_tokens": (0, 2**31 - 1)},
+        ),
+        Kind(
+            "rubrics",
+            pa.schema(
+                [
+                    _f("prompt_id", pa.string()),
+                    _f("rubric_idx", pa.int32()),
+                    _f("variant", pa.string()),  # "dynamic" | "static"
+                    _f("generator", pa.string()),
+                    _f("generator_prompt", pa.string()),  # the exact text the generator was given
+                    _f("completion", pa.string()),  # the raw text it wrote (trained on by GRPO)
+                    _f("parse_status", pa.string()),  # "json" | "lines" | "empty"
+                    _f("items", pa.list_(pa.field("item", RUBRIC_ITEM, nullable=False))),
+                ]
+            ),
+            keys=("prompt_id", "rubric_idx"),
+            min_rows=1,
+            ranges={"items.weight": (1, 5), "rubric_idx": (0, 2**31 - 1)},
+        ),
+        Kind(
+            "judgments",
+            pa.schema(
+                [
+                    _f("prompt_id", pa.string()),
+                    _f("rubric_idx", pa.int32()),
+                    _f("item_idx", pa.int32()),
+                    _f("sample_idx", pa.int32()),
+                    _f("weight", pa.int8()),
+                    _f("verdict", pa.bool_()),
+                    _f("p_yes", pa.float32()),
+                ]
+            ),
+            keys=("prompt_id", "rubric_idx", "item_idx", "sample_idx"),
+            ranges={"weight": (1, 5), "p_yes": (0.0, 1.0)},
+        ),
+        Kind(
+            "scores",
+            pa.schema(
+                [
+                    _f("prompt_id", pa.string()),
+                    _f("rubric_idx", pa.int32()),
+                    _f("sample_idx", pa.int32()),
+                    _f("score", pa.float64()),
+                    _f("num_items", pa.int32()),
+                ]
+            ),
+            keys=("prompt_id", "rubric_idx", "sample_idx"),
+            ranges={"score": (0.0, 1.0)},
+        ),
+        Kind(
+            "rewards",
+            pa.schema(
+                [
+                    _f("prompt_id", pa.string()),
+                    _f("rubric_idx", pa.int32()),
+                    _f("r_disc", pa.float64()),
+                    _f("r_anchor", pa.float64(), nullable=True),  # null: no anchor ranking for this set
+                    _f("num_items", pa.int32()),
+                ]
+            ),
+            keys=("prompt_id", "rubric_idx"),
+            ranges={"r_disc": (0.0, 0.25)},
+        ),
+        Kind(
+            "diagnostics",
+            pa.schema(
+                [
+                    _f("prompt_id", pa.string()),
+                    _f("rubric_idx", pa.int32()),
+                    _f("num_responses", pa.int32()),
+                    _f("num_items", pa.int32()),
+                    _f("mean_score", pa.float64()),
+                    _f("mean_gap", pa.float64(), nullable=True),  # null: no reference ordering
+                    _f("tie_rate", pa.float64()),
+                    _f("uniform", pa.bool_()),
+                    _f("mean_pass_rate", pa.float64(), nullable=True),  # null: empty rubric
+                ]
+            ),
+            keys=("prompt_id", "rubric_idx"),
+            ranges={"tie_rate": (0.0, 1.0), "mean_score": (0.0, 1.0)},
+        ),
+        Kind(
+            "anchors",
+            pa.schema(
+                [
+                    _f("list_id", pa.string()),
+                    _f("sample_idx", pa.int32()),
+                    _f("rank", pa.int32()),  # 1 = best; equal ranks are ties
+                    _f("prompt", pa.string()),
+                    _f("response", pa.string()),
+                    _f("source", pa.string()),
+                ]
+            ),
+            keys=("list_id", "sample_idx"),
+            min_rows=1,
+            ranges={"rank": (1, 2**31 - 1)},
+        ),
+        Kind(
+            "metrics",
+            pa.schema(
+                [
+                    _f("round", pa.int32()),
+                    _f("stage", pa.string()),
+                    _f("variant", pa.string()),
+                    _f("name", pa.string()),
+                    _f("step", pa.int32()),
+                    _f("value", pa.float64()),
+                ]
+            ),
+            keys=("round", "stage", "variant", "name", "step"),
+        ),
+    ]
+}
+
+
+def kind(name: str) -> Kind:
+    try:
+        return KINDS[name]
+    except KeyError:
+        raise ArtifactError(f"unknown artifact kind {name!r}; expected one of {sorted(KINDS)}") from None
+
+
+def empty_table(kind_name: str) -> pa.Table:
+    return kind(kind_name).schema.empty_table()
+
+
+def to_table(kind_name: str, data: pd.DataFrame | list[dict] | pa.Table) -> pa.Table:
+    """Build a table of the kind's exact schema from a DataFrame, records, or a compatible table."""
+    k = kind(kind_name)
+    if isinstance(data, pa.Table):
+        table = data
+    elif isinstance(data, pd.DataFrame):
+        table = pa.Table.from_pandas(data, preserve_index=False)
+    else:
+        # Infer types first (not from the schema, which would fill a missing key with nulls).
+        table = pa.Table.from_pylist(list(data)) if data else k.schema.empty_table()
+    where = f"<in-memory {kind_name}>"
+    _check_columns(table, k, where)
+    for fld in k.schema:
+        if not fld.nullable and table.column(fld.name).null_count:
+            raise ArtifactError(
+                f"{where}: column {fld.name!r} has {table.column(fld.name).null_count} null(s)"
+            )
+    try:
+        return table.select(k.schema.names).cast(k.schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, ValueError) as e:
+        raise ArtifactError(f"{where}: cannot convert to the {kind_name!r} schema: {e}") from e
+
+
+def write_artifact(uri: str, kind_name: str, data: pd.DataFrame | list[dict] | pa.Table) -> pa.Table:
+    """Validate `data` as `kind_name` and write it atomically to `uri` (local path or s3://)."""
+    k = kind(kind_name)
+    table = to_table(kind_name, data)
+    validate_table(table, k, uri)
+    meta = dict(table.schema.metadata or {})
+    meta[KIND_KEY] = k.name.encode()
+    meta[VERSION_KEY] = SCHEMA_VERSION.encode()
+    table = table.replace_schema_metadata(meta)
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    store.write_bytes(uri, buf.getvalue())
+    return table
+
+
+def read_artifact(uri: str, expected_kind: str | None = None) -> pa.Table:
+    """Read and validate an artifact; `expected_kind` (if given) must match the file's kind."""
+    data = store.read_bytes(uri)
+    try:
+        pf = pq.ParquetFile(io.BytesIO(data))
+        table = pf.read()
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ArtifactError(f"{uri}: not a readable Parquet file ({e})") from e
+    meta = table.schema.metadata or {}
+    if KIND_KEY not in meta:
+        raise ArtifactError(
+            f"{uri}: Parquet metadata has no {KIND_KEY.decode()!r}; not a dynamicrubric artifact"
+        )
+    found_kind = meta[KIND_KEY].decode()
+    if found_kind not in KINDS:
+        raise ArtifactError(f"{uri}: unknown artifact kind {found_kind!r}; expected one of {sorted(KINDS)}")
+    if expected_kind is not None and found_kind != expected_kind:
+        raise ArtifactError(f"{uri}: expected a {expected_kind!r} artifact, found {found_kind!r}")
+    version = meta.get(VERSION_KEY, b"<none>").decode()
+    if version != SCHEMA_VERSION:
+        raise ArtifactError(
+            f"{uri}: schema version {version!r} of {found_kind!r}, expected {SCHEMA_VERSION!r}"
+        )
+    k = KINDS[found_kind]
+    validate_table(table, k, uri)
+    return (
+        table.replace_schema_metadata(None)
+        .cast(k.schema)
+        .replace_schema_metadata({KIND_KEY: k.name.encode(), VERSION_KEY: SCHEMA_VERSION.encode()})
+    )
+
+
+def read_frame(uri: str, expected_kind: str) -> pd.DataFrame:
+    return read_artifact(uri, expected_kind).to_pandas()
+
+
+def artifact_kind(uri: str) -> str:
+    """The kind recorded in a file's footer, without reading its rows."""
+    data = store.read_bytes(uri)
+    try:
+        meta = pq.read_schema(io.BytesIO(data)).metadata or {}
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ArtifactError(f"{uri}: not a readable Parquet file ({e})") from e
+    return meta.get(KIND_KEY, b"<none>").decode()
+
+
+def _check_columns(table: pa.Table, k: Kind, where: str) -> None:
+    expected, found = k.schema.names, table.schema.names
+    missing = [c for c in expected if c not in found]
+    extra = [c for c in found if c not in expected]
+    if missing:
+        raise ArtifactError(
+            f"{where}: {k.name!r} artifact is missing column {missing[0]!r}"
+            + (f" (and {missing[1:]})" if missing[1:] else "")
+            + f"; expected columns {expected}"
+        )
+    if extra:
+        raise ArtifactError(
+            f"{where}: {k.name!r} artifact has unexpected column {extra[0]!r}; expected columns {expected}"
+        )
+
+
+def validate_table(table: pa.Table, k: Kind, where: str) -> None:
+    """Raise ArtifactError on any breach of the kind's contract; `where` names the file in messages."""
+    _check_columns(table, k, where)
+    for fld in k.schema:
+        col = table.column(fld.name)
+        if not col.type.equals(fld.type) and not _compatible(col.type, fld.type):
+            raise ArtifactError(f"{where}: column {fld.name!r} has type {col.type}, expected {fld.type}")
+        if not fld.nullable and col.null_count:
+            raise ArtifactError(
+                f"{where}: column {fld.name!r} has {col.null_count} null(s); nulls are not allowed"
+            )
+    table = table.select(k.schema.names).cast(k.schema)
+    if table.num_rows < k.min_rows:
+        raise ArtifactError(f"{where}: {k.name!r} artifact is empty; expected at least {k.min_rows} row(s)")
+    for col_name, (low, high) in k.ranges.items():
+        if col_name == "items.weight":
+            items = pc.list_flatten(table.column("items"))
+            values = pc.struct_field(items, "weight")
+            null_items = pc.sum(pc.is_null(pc.struct_field(items, "text"))).as_py() or 0
+            if null_items:
+                raise ArtifactError(f"{where}: column 'items' has {null_items} item(s) with null text")
+        else:
+            values = table.column(col_name)
+        if len(values) == 0:
+            continue
+        lo, hi = pc.min_max(values).values()
+        if lo.as_py() is not None and (lo.as_py() < low or hi.as_py() > high):
+            bad = lo.as_py() if lo.as_py() < low else hi.as_py()
+            raise ArtifactError(f"{where}: column {col_name!r} has value {bad}, expected {low}..{high}")
+    if table.num_rows:
+        keys = table.select(list(k.keys)).group_by(list(k.keys)).aggregate([([], "count_all")])
+        dup = keys.filter(pc.greater(keys.column("count_all"), 1))
+        if dup.num_rows:
+            first = {c: dup.column(c)[0].as_py() for c in k.keys}
+            raise ArtifactError(
+                f"{where}: duplicate key {first} in columns {list(k.keys)} ({dup.num_rows} duplicated key(s))"
+            )
+
+
+def _compatible(found: pa.DataType, expected: pa.DataType) -> bool:
+    # Parquet round-trips large_string as string and vice versa; anything else must match exactly.
+    pairs = {(pa.large_string(), pa.string()), (pa.string(), pa.large_string())}
+    if (found, expected) in pairs:
+        return True
+    if pa.types.is_list(found) or pa.types.is_large_list(found):
+        return pa.types.is_list(expected) and found.value_type.equals(expected.value_type)
+    return False

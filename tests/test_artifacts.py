@@ -1,0 +1,267 @@
+"""The artifact contract: round trips of every kind, and a clear error for each kind of bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dynamicrubric import artifacts
+from dynamicrubric.artifacts import ArtifactError, read_artifact, write_artifact
+
+SAMPLES: dict[str, list[dict]] = {
+    "prompts": [
+        {"prompt_id": "p0", "task": "basic_arithmetic", "prompt": "2+3=?", "reference": "5", "meta": "{}"},
+        {"prompt_id": "p1", "task": "user", "prompt": "Say hi", "reference": None, "meta": None},
+    ],
+    "rollouts": [
+        {
+            "prompt_id": "p0",
+            "sample_idx": i,
+            "prompt": "2+3=?",
+            "response": f"{4 + i}",
+            "num_tokens": 1,
+            "finish_reason": "stop",
+            "policy": "tiny-random",
+            "seed": 7,
+        }
+        for i in range(3)
+    ],
+    "rubrics": [
+        {
+            "prompt_id": "p0",
+            "rubric_idx": 0,
+            "variant": "dynamic",
+            "generator": "g",
+            "generator_prompt": "...",
+            "completion": "1. (5) correct",
+            "parse_status": "lines",
+            "items": [{"text": "correct", "weight": 5}],
+        },
+        {
+            "prompt_id": "p0",
+            "rubric_idx": 1,
+            "variant": "dynamic",
+            "generator": "g",
+            "generator_prompt": "...",
+            "completion": "??",
+            "parse_status": "empty",
+            "items": [],
+        },
+    ],
+    "judgments": [
+        {
+            "prompt_id": "p0",
+            "rubric_idx": 0,
+            "item_idx": 0,
+            "sample_idx": s,
+            "weight": 5,
+            "verdict": s == 1,
+            "p_yes": 0.9 if s == 1 else 0.1,
+        }
+        for s in range(3)
+    ],
+    "scores": [
+        {"prompt_id": "p0", "rubric_idx": 0, "sample_idx": s, "score": float(s == 1), "num_items": 1}
+        for s in range(3)
+    ],
+    "rewards": [
+        {"prompt_id": "p0", "rubric_idx": 0, "r_disc": 0.2, "r_anchor": -0.5, "num_items": 1},
+        {"prompt_id": "p0", "rubric_idx": 1, "r_disc": 0.0, "r_anchor": None, "num_items": 0},
+    ],
+    "diagnostics": [
+        {
+            "prompt_id": "p0",
+            "rubric_idx": 0,
+            "num_responses": 3,
+            "num_items": 1,
+            "mean_score": 1 / 3,
+            "mean_gap": 1.0,
+            "tie_rate": 1 / 3,
+            "uniform": False,
+            "mean_pass_rate": 1 / 3,
+        }
+    ],
+    "anchors": [
+        {
+            "list_id": "l0",
+            "sample_idx": i,
+            "rank": i + 1,
+            "prompt": "q",
+            "response": f"a{i}",
+            "source": "nectar",
+        }
+        for i in range(3)
+    ],
+    "metrics": [
+        {"round": 1, "stage": "aggregate", "variant": "dynamic", "name": "tie_rate", "step": 0, "value": 0.5}
+    ],
+}
+
+
+def test_every_kind_has_a_sample():
+    assert set(SAMPLES) == set(artifacts.KINDS)
+
+
+@pytest.mark.parametrize("kind", sorted(artifacts.KINDS))
+def test_round_trip_local(tmp_path, kind):
+    uri = str(tmp_path / f"{kind}.parquet")
+    written = write_artifact(uri, kind, SAMPLES[kind])
+    back = read_artifact(uri, kind)
+    assert back.to_pylist() == written.to_pylist() == artifacts.to_table(kind, SAMPLES[kind]).to_pylist()
+    meta = pq.read_metadata(uri)
+    assert meta.metadata[b"dynamicrubric.kind"] == kind.encode()
+    assert meta.row_group(0).column(0).compression == "ZSTD"
+    # file:// URIs are the same file
+    assert read_artifact(f"file://{uri}", kind).num_rows == len(SAMPLES[kind])
+
+
+@pytest.mark.parametrize("kind", sorted(artifacts.KINDS))
+def test_round_trip_s3(s3_env, kind):
+    uri = f"s3://{s3_env}/run/{kind}.parquet"
+    write_artifact(uri, kind, SAMPLES[kind])
+    assert read_artifact(uri, kind).to_pylist() == artifacts.to_table(kind, SAMPLES[kind]).to_pylist()
+
+
+def test_dataframe_input(tmp_path):
+    import pandas as pd
+
+    uri = str(tmp_path / "r.parquet")
+    write_artifact(uri, "rollouts", pd.DataFrame(SAMPLES["rollouts"]))
+    assert artifacts.read_frame(uri, "rollouts")["response"].tolist() == ["4", "5", "6"]
+
+
+def _raw_parquet(path, table: pa.Table, kind: str | None = "rollouts", version: str = "1") -> str:
+    meta = {}
+    if kind is not None:
+        meta[b"dynamicrubric.kind"] = kind.encode()
+        meta[b"dynamicrubric.schema_version"] = version.encode()
+    pq.write_table(table.replace_schema_metadata(meta), path)
+    return str(path)
+
+
+def _rollouts(**changes) -> pa.Table:
+    table = artifacts.to_table("rollouts", SAMPLES["rollouts"])
+    for name, column in changes.items():
+        if column is None:
+            table = table.drop_columns([name])
+        else:
+            idx = table.schema.get_field_index(name)
+            table = table.set_column(idx, name, column) if idx >= 0 else table.append_column(name, column)
+    return table
+
+
+BAD_INPUTS = {
+    "not parquet": (lambda p: _write(p, b"prompt_id,response\np0,hi\n"), "not a readable Parquet file"),
+    "truncated parquet": (lambda p: _write(p, _truncated(p)), "not a readable Parquet file"),
+    "no kind metadata": (lambda p: _raw_parquet(p, _rollouts(), kind=None), "has no 'dynamicrubric.kind'"),
+    "unknown kind": (
+        lambda p: _raw_parquet(p, _rollouts(), kind="bananas"),
+        "unknown artifact kind 'bananas'",
+    ),
+    "wrong schema version": (lambda p: _raw_parquet(p, _rollouts(), version="99"), "schema version '99'"),
+    "missing column": (lambda p: _raw_parquet(p, _rollouts(response=None)), "missing column 'response'"),
+    "extra column": (
+        lambda p: _raw_parquet(p, _rollouts(colour=pa.array(["r", "g", "b"]))),
+        "unexpected column 'colour'",
+    ),
+    "wrong type": (
+        lambda p: _raw_parquet(p, _rollouts(num_tokens=pa.array(["1", "2", "3"]))),
+        "column 'num_tokens' has type string, expected int32",
+    ),
+    "null not allowed": (
+        lambda p: _raw_parquet(p, _rollouts(response=pa.array(["a", None, "c"]))),
+        "column 'response' has 1 null(s)",
+    ),
+    "duplicate keys": (
+        lambda p: _raw_parquet(p, _rollouts(sample_idx=pa.array([0, 0, 1], pa.int32()))),
+        "duplicate key {'prompt_id': 'p0', 'sample_idx': 0}",
+    ),
+    "empty where rows required": (
+        lambda p: _raw_parquet(p, artifacts.empty_table("rollouts")),
+        "'rollouts' artifact is empty",
+    ),
+    "negative sample index": (
+        lambda p: _raw_parquet(p, _rollouts(sample_idx=pa.array([0, -1, 2], pa.int32()))),
+        "column 'sample_idx' has value -1",
+    ),
+    "weight out of range": (
+        lambda p: _raw_parquet(
+            p,
+            artifacts.to_table("judgments", [dict(SAMPLES["judgments"][0], weight=7)]),
+            kind="judgments",
+        ),
+        "column 'weight' has value 7, expected 1..5",
+    ),
+    "rubric item weight out of range": (
+        lambda p: _raw_parquet(
+            p,
+            artifacts.to_table("rubrics", [dict(SAMPLES["rubrics"][0], items=[{"text": "x", "weight": 0}])]),
+            kind="rubrics",
+        ),
+        "column 'items.weight' has value 0, expected 1..5",
+    ),
+    "p_yes out of range": (
+        lambda p: _raw_parquet(
+            p, artifacts.to_table("judgments", [dict(SAMPLES["judgments"][0], p_yes=1.5)]), kind="judgments"
+        ),
+        "column 'p_yes' has value 1.5",
+    ),
+}
+
+
+def _write(path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
+
+
+def _truncated(path) -> bytes:
+    write_artifact(str(path), "rollouts", SAMPLES["rollouts"])
+    data = path.read_bytes()
+    return data[: len(data) // 2]
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_gets_a_clear_error(tmp_path, case):
+    make, expected = BAD_INPUTS[case]
+    path = tmp_path / "bad.parquet"
+    uri = make(path)
+    with pytest.raises(ArtifactError) as err:
+        read_artifact(uri)
+    message = str(err.value)
+    assert expected in message
+    assert str(path) in message  # the error names the file
+
+
+def test_expected_kind_mismatch(tmp_path):
+    uri = str(tmp_path / "x.parquet")
+    write_artifact(uri, "scores", SAMPLES["scores"])
+    with pytest.raises(ArtifactError, match="expected a 'rollouts' artifact, found 'scores'"):
+        read_artifact(uri, "rollouts")
+
+
+def test_write_refuses_bad_data_and_leaves_nothing(tmp_path):
+    uri = tmp_path / "r.parquet"
+    with pytest.raises(ArtifactError, match="duplicate key"):
+        write_artifact(str(uri), "rollouts", SAMPLES["rollouts"] + SAMPLES["rollouts"][:1])
+    with pytest.raises(ArtifactError, match="missing column 'seed'"):
+        write_artifact(
+            str(uri), "rollouts", [{k: v for k, v in r.items() if k != "seed"} for r in SAMPLES["rollouts"]]
+        )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_validate(tmp_path):
+    good = str(tmp_path / "good.parquet")
+    write_artifact(good, "rollouts", SAMPLES["rollouts"])
+    bad = _raw_parquet(tmp_path / "bad.parquet", _rollouts(finish_reason=None))
+    run = [sys.executable, "-m", "dynamicrubric.cli", "validate"]
+    ok = subprocess.run([*run, good], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "kind=rollouts rows=3" in ok.stdout
+    res = subprocess.run([*run, good, bad], capture_output=True, text=True)
+    assert res.returncode == 1
+    assert "missing column 'finish_reason'" in res.stdout and bad in res.stdout
