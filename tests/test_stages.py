@@ -1,0 +1,209 @@
+"""The evaluator-side stages end to end from the CLI on tiny-random, on local paths and on S3."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from dynamicrubric import cli
+from dynamicrubric.artifacts import read_artifact, read_frame, write_artifact
+from dynamicrubric.config import load_config
+from dynamicrubric.engines import load_engine
+from dynamicrubric.judge import run_judge
+from dynamicrubric.rubrics import run_rubrics
+
+PROMPTS = [
+    {
+        "prompt_id": f"p{i}",
+        "task": "basic_arithmetic",
+        "prompt": f"What is {i} + {i + 2}? Give only the final answer.",
+        "reference": str(2 * i + 2),
+        "meta": None,
+    }
+    for i in range(3)
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    cfg = load_config(preset="tiny")
+    return load_engine("tiny-random", cfg.engine)
+
+
+def _run(*argv: str) -> None:
+    assert cli.main(list(argv)) == 0
+
+
+def _stages(base: str, join) -> dict[str, str]:
+    uris = {
+        name: join(base, f"{name}.parquet") for name in ["prompts", "rollouts", "rubrics", "judgments", "pw"]
+    }
+    write_artifact(uris["prompts"], "prompts", PROMPTS)
+    common = ["--preset", "tiny"]
+    _run("stage", "rollout", *common, "--prompts", uris["prompts"], "--out", uris["rollouts"])
+    _run(
+        "stage",
+        "rubrics",
+        *common,
+        "--rollouts",
+        uris["rollouts"],
+        "--out",
+        uris["rubrics"],
+        "--samples",
+        "2",
+    )
+    _run(
+        "stage",
+        "judge",
+        *common,
+        "--rollouts",
+        uris["rollouts"],
+        "--rubrics",
+        uris["rubrics"],
+        "--out",
+        uris["judgments"],
+    )
+    _run("stage", "judge", *common, "--rollouts", uris["rollouts"], "--out", uris["pw"])
+    return uris
+
+
+def _check_outputs(uris: dict[str, str]) -> None:
+    rollouts = read_frame(uris["rollouts"], "rollouts")
+    assert len(rollouts) == 3 * 4  # tiny preset: K = 4
+    assert sorted(rollouts.groupby("prompt_id")["sample_idx"].apply(list).iloc[0]) == [0, 1, 2, 3]
+    rubrics = read_frame(uris["rubrics"], "rubrics")
+    assert len(rubrics) == 3 * 2 and set(rubrics["variant"]) == {"dynamic"}
+    assert all("Response A:" in p and "Response D:" in p for p in rubrics["generator_prompt"])
+    read_artifact(uris["judgments"], "judgments")  # random-weight rubrics may all be empty: validity only
+    pointwise = read_frame(uris["pw"], "judgments")
+    assert len(pointwise) == 12 and set(pointwise["item_idx"]) == {0} and set(pointwise["weight"]) == {1}
+    assert ((pointwise["p_yes"] >= 0.5) == pointwise["verdict"]).all()
+    assert cli.main(["validate", *uris.values()]) == 0
+
+
+def test_stages_local(tmp_path):
+    uris = _stages(str(tmp_path), lambda b, n: f"{b}/{n}")
+    _check_outputs(uris)
+
+
+def test_stages_s3(s3_env):
+    uris = _stages(f"s3://{s3_env}/run1", lambda b, n: f"{b}/{n}")
+    _check_outputs(uris)
+
+
+def test_rollouts_are_reproducible(tmp_path):
+    write_artifact(str(tmp_path / "p.parquet"), "prompts", PROMPTS)
+    for name in ["a", "b"]:
+        _run(
+            "stage",
+            "rollout",
+            "--preset",
+            "tiny",
+            "--prompts",
+            str(tmp_path / "p.parquet"),
+            "--out",
+            str(tmp_path / f"{name}.parquet"),
+            "--seed",
+            "5",
+        )
+    a = read_frame(str(tmp_path / "a.parquet"), "rollouts")
+    b = read_frame(str(tmp_path / "b.parquet"), "rollouts")
+    pd.testing.assert_frame_equal(a, b)
+    assert (tmp_path / "a.parquet").read_bytes() == (tmp_path / "b.parquet").read_bytes()
+
+
+def _rollouts() -> list[dict]:
+    responses = {"p0": ["2", "It is 2.", "3", "two"], "p1": ["4", "4", "5", "four"]}
+    return [
+        {
+            "prompt_id": pid,
+            "sample_idx": j,
+            "prompt": f"What is {pid}?",
+            "response": r,
+            "num_tokens": 1,
+            "finish_reason": "stop",
+            "policy": "hand",
+            "seed": 0,
+        }
+        for pid, rs in responses.items()
+        for j, r in enumerate(rs)
+    ]
+
+
+def test_judge_covers_every_item_and_response(tmp_path, tiny_engine):
+    cfg = load_config(preset="tiny")
+    write_artifact(str(tmp_path / "r.parquet"), "rollouts", _rollouts())
+    items = [{"text": "The answer is a digit", "weight": 5}, {"text": "It is short", "weight": 2}]
+    rubric = {
+        "variant": "dynamic",
+        "generator": "hand",
+        "generator_prompt": "",
+        "completion": "",
+        "parse_status": "json",
+    }
+    write_artifact(
+        str(tmp_path / "rub.parquet"),
+        "rubrics",
+        [
+            {**rubric, "prompt_id": "p0", "rubric_idx": 0, "items": items},
+            {**rubric, "prompt_id": "p0", "rubric_idx": 1, "items": items[:1]},
+            {**rubric, "prompt_id": "p1", "rubric_idx": 0, "items": [], "parse_status": "empty"},
+        ],
+    )
+    counts = run_judge(
+        str(tmp_path / "r.parquet"),
+        str(tmp_path / "j.parquet"),
+        cfg,
+        rubrics_uri=str(tmp_path / "rub.parquet"),
+        engine=tiny_engine,
+    )
+    judgments = read_frame(str(tmp_path / "j.parquet"), "judgments")
+    assert counts["judgments"] == len(judgments) == 4 * 2 + 4 * 1  # the empty rubric has nothing to judge
+    assert set(judgments.loc[judgments.rubric_idx == 0, "weight"]) == {5, 2}
+    # the same (item, response) question gets the same answer in any rubric
+    a = judgments.query("rubric_idx == 0 and item_idx == 0").set_index("sample_idx")["p_yes"]
+    b = judgments.query("rubric_idx == 1 and item_idx == 0").set_index("sample_idx")["p_yes"]
+    pd.testing.assert_series_equal(a, b)
+
+
+def test_variants_selected_by_config(tmp_path, tiny_engine):
+    write_artifact(str(tmp_path / "r.parquet"), "rollouts", _rollouts())
+    static = load_config(preset="tiny", overrides={"rubrics": {"variant": "static"}})
+    run_rubrics(str(tmp_path / "r.parquet"), str(tmp_path / "s.parquet"), static, engine=tiny_engine)
+    rubrics = read_frame(str(tmp_path / "s.parquet"), "rubrics")
+    assert set(rubrics["variant"]) == {"static"}
+    assert not any("Response A" in p for p in rubrics["generator_prompt"])  # written from the prompt alone
+    pointwise = load_config(preset="tiny", overrides={"judge": {"variant": "pointwise"}})
+    counts = run_judge(
+        str(tmp_path / "r.parquet"),
+        str(tmp_path / "j.parquet"),
+        pointwise,
+        rubrics_uri=str(tmp_path / "s.parquet"),
+        engine=tiny_engine,
+    )
+    assert counts["variant"] == "pointwise" and counts["judgments"] == 8
+
+
+def test_rubrics_for_missing_responses_is_an_error(tmp_path, tiny_engine):
+    cfg = load_config(preset="tiny")
+    write_artifact(str(tmp_path / "r.parquet"), "rollouts", _rollouts()[:4])
+    rubric = {
+        "variant": "dynamic",
+        "generator": "h",
+        "generator_prompt": "",
+        "completion": "",
+        "parse_status": "json",
+    }
+    write_artifact(
+        str(tmp_path / "rub.parquet"),
+        "rubrics",
+        [{**rubric, "prompt_id": "p9", "rubric_idx": 0, "items": [{"text": "abc", "weight": 1}]}],
+    )
+    with pytest.raises(ValueError, match=r"prompt\(s\) \['p9'\] have no responses"):
+        run_judge(
+            str(tmp_path / "r.parquet"),
+            str(tmp_path / "j.parquet"),
+            cfg,
+            rubrics_uri=str(tmp_path / "rub.parquet"),
+            engine=tiny_engine,
+        )
