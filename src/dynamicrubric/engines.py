@@ -1,0 +1,632 @@
+"""One small inference interface for every stage that runs a model, on a laptop CPU or a GPU node.
+
+- `HFEngine` runs transformers directly: batched left-padded sampling with our own decoding loop (so
+  every sample draws from its own seeded random stream and the result does not depend on how rows
+  are batched), yes/no judgments from one forward pass with the shared context computed once, and
+  per-token log-probs of given completions.
+- `VLLMEngine` is a thin wrapper over `vllm.LLM` for GPU nodes (prefix caching does the sharing).
+
+`load_engine(model_ref, cfg)` picks one from `cfg.engine`.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from dynamicrubric.config import EngineConfig
+from dynamicrubric.models import resolve_model
+
+# Single-token spellings counted as a "yes" / "no" answer; those the tokenizer lacks are skipped.
+YES_SPELLINGS = ("yes", "Yes", "YES", " yes", " Yes", " YES")
+NO_SPELLINGS = ("no", "No", "NO", " no", " No", " NO")
+
+
+class EngineError(RuntimeError):
+    """Bad input to an engine, or a model/tokenizer the engine cannot use; the message says which."""
+
+
+@dataclass
+class Generation:
+    """The n samples for one prompt. `num_tokens` counts generated tokens, the stop token included."""
+
+    texts: list[str]
+    num_tokens: list[int]
+    finish_reasons: list[str]  # "stop" | "length"
+
+
+def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """A 63-bit seed for one sample's random stream, derived from (seed, prompt index, sample index)."""
+    digest = hashlib.sha256(f"{seed}:{prompt_index}:{sample_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def answer_token_ids(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """Token ids of the single-token spellings of yes and of no (errors if either set is empty)."""
+
+    def ids(spellings: tuple[str, ...]) -> list[int]:
+        out: list[int] = []
+        for s in spellings:
+            toks = tokenizer.encode(s, add_special_tokens=False)
+            if len(toks) == 1 and toks[0] not in out:
+                out.append(toks[0])
+        return out
+
+    yes, no = ids(YES_SPELLINGS), ids(NO_SPELLINGS)
+    if not yes or not no or set(yes) & set(no):
+        raise EngineError(
+            f"tokenizer has no usable single-token yes/no spellings (yes ids {yes}, no ids {no})"
+        )
+    return yes, no
+
+
+def _check_pairs(pairs: list[tuple[str, str]]) -> None:
+    for i, p in enumerate(pairs):
+        if not (isinstance(p, tuple | list) and len(p) == 2 and all(isinstance(s, str) for s in p)):
+            raise EngineError(
+                f"yes_probability: pair {i} must be a (prefix, suffix) pair of strings, got {p!r}"
+            )
+
+
+def _check_sampling(n: int, temperature: float, top_p: float, max_new_tokens: int) -> None:
+    if n < 1:
+        raise EngineError(f"generate: n must be >= 1, got {n}")
+    if temperature < 0:
+        raise EngineError(f"generate: temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise EngineError(f"generate: top_p must be in (0, 1], got {top_p}")
+    if max_new_tokens < 1:
+        raise EngineError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
+class Engine(abc.ABC):
+    """What every backend offers. Prompts are raw strings, already templated with `chat_prompt`."""
+
+    model_ref: str
+    tokenizer: Any  # PreTrainedTokenizerBase
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        """The model's chat template applied to `messages`, ending where the assistant's turn begins."""
+        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise EngineError(
+                f"chat_prompt: expected a non-empty list of {{role, content}} dicts, got {messages!r}"
+            )
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise EngineError(f"chat_prompt: the tokenizer of {self.model_ref!r} has no chat template")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    @abc.abstractmethod
+    def generate(
+        self,
+        prompts: list[str],
+        n: int = 1,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 128,
+        seed: int = 0,
+        desc: str = "generate",
+    ) -> list[Generation]: ...
+
+    @abc.abstractmethod
+    def yes_probability(self, pairs: list[tuple[str, str]], desc: str = "judge") -> list[float]: ...
+
+    @abc.abstractmethod
+    def logprobs(self, prompts: list[str], completions: list[str]) -> list[list[float]]: ...
+
+
+# --------------------------------------------------------------------------------------------------
+# transformers
+
+
+@dataclass
+class _Rows:
+    """Token rows left-padded into one batch, with the position ids that ignore the padding."""
+
+    input_ids: Any
+    attention_mask: Any
+    position_ids: Any
+
+
+class HFEngine(Engine):
+    """transformers backend: fp32 on CPU, bf16 on GPU (unless `dtype` says otherwise)."""
+
+    def __init__(
+        self,
+        model_ref: str,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        batch_size: int = 16,
+        model: Any = None,
+        tokenizer: Any = None,
+    ) -> None:
+        """Load `model_ref`; or wrap an already loaded `model` and `tokenizer` (training stages do)."""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if batch_size < 1:
+            raise EngineError(f"batch_size must be >= 1, got {batch_size}")
+        self.model_ref = model_ref
+        self.batch_size = batch_size
+        if model is None:
+            if device == "auto":
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            if dtype == "auto":
+                dtype = "bfloat16" if device.startswith("cuda") else "float32"
+            path = resolve_model(model_ref)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
+        elif tokenizer is None:
+            raise EngineError("HFEngine: pass the tokenizer together with an already loaded model")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if self.pad_id is None:
+            raise EngineError(f"tokenizer of {model_ref!r} has neither a pad nor an eos token")
+        self.stop_ids = self._stop_ids()
+        self.yes_ids, self.no_ids = answer_token_ids(tokenizer)
+
+    def _stop_ids(self) -> list[int]:
+        ids: list[int] = []
+        for value in (
+            self.tokenizer.eos_token_id,
+            getattr(self.model.generation_config, "eos_token_id", None),
+        ):
+            for i in value if isinstance(value, list) else [value]:
+                if i is not None and i not in ids:
+                    ids.append(int(i))
+        if not ids:
+            raise EngineError(f"model {self.model_ref!r} declares no eos token to stop generation at")
+        return ids
+
+    # ---- helpers
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        # Prompts are already templated (the template writes its own special tokens): add none.
+        return [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+    def _left_pad(self, seqs: list[list[int]]) -> _Rows:
+        import torch
+
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for r, s in enumerate(seqs):
+            if s:
+                ids[r, width - len(s) :] = torch.tensor(s)
+                mask[r, width - len(s) :] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        return _Rows(ids.to(self.device), mask.to(self.device), pos.to(self.device))
+
+    def _forward(self, ids: Any, mask: Any, pos: Any, cache: Any = None, logits_to_keep: int = 1) -> Any:
+        return self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            cache=cache,
+            use_cache=cache is not None,
+            logits_to_keep=logits_to_keep,
+        )
+
+    def _progress(self, total: int, desc: str) -> Any:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, unit="batch", leave=False, disable=total <= 1)
+
+    # ---- generation
+
+    def generate(
+        self,
+        prompts: list[str],
+        n: int = 1,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 128,
+        seed: int = 0,
+        desc: str = "generate",
+    ) -> list[Generation]:
+        """n samples per prompt. Each sample has its own random stream seeded from (seed, prompt, sample),
+        so results do not depend on the batch size. temperature 0 is greedy decoding."""
+        _check_sampling(n, temperature, top_p, max_new_tokens)
+        if not prompts:
+            return []
+        encoded = self._encode(prompts)
+        for i, e in enumerate(encoded):
+            if not e:
+                raise EngineError(f"generate: prompt {i} is empty")
+        rows = [(i, j) for i in range(len(prompts)) for j in range(n)]
+        # Long prompts first, so rows of similar length share a batch (less padding).
+        rows.sort(key=lambda r: (-len(encoded[r[0]]), r[0], r[1]))
+        out_tokens: dict[tuple[int, int], list[int]] = {}
+        out_reason: dict[tuple[int, int], str] = {}
+        batches = [rows[s : s + self.batch_size] for s in range(0, len(rows), self.batch_size)]
+        with self._progress(len(batches), desc) as bar:
+            for batch in batches:
+                toks, reasons = self._sample_batch(
+                    encoded,
+                    batch,
+                    temperature=temperature,
+                    top_p=top_p,
+                    max_new_tokens=max_new_tokens,
+                    seed=seed,
+                )
+                for r, t, why in zip(batch, toks, reasons, strict=True):
+                    out_tokens[r], out_reason[r] = t, why
+                bar.update(1)
+        result = []
+        for i in range(len(prompts)):
+            keys = [(i, j) for j in range(n)]
+            texts = [
+                self.tokenizer.decode(
+                    [t for t in out_tokens[k] if t not in self.stop_ids], skip_special_tokens=True
+                )
+                for k in keys
+            ]
+            result.append(
+                Generation(texts, [len(out_tokens[k]) for k in keys], [out_reason[k] for k in keys])
+            )
+        return result
+
+    def _prefill_shared(self, encoded: list[list[int]], row_prompts: list[int]) -> tuple[Any, Any, Any]:
+        """Run each distinct prompt of a batch once, then copy its KV cache to every row that samples it.
+        Returns (logits of the last prompt token per row, cache, attention mask per row)."""
+        import torch
+        from transformers import DynamicCache
+
+        unique = sorted(set(row_prompts), key=row_prompts.index)
+        packed = self._left_pad([encoded[i] for i in unique])
+        cache = DynamicCache(config=self.model.config)
+        out = self._forward(packed.input_ids, packed.attention_mask, packed.position_ids, cache)
+        select = torch.tensor([unique.index(i) for i in row_prompts], device=self.device)
+        if len(unique) != len(row_prompts):
+            cache.batch_select_indices(select)
+        return out.logits[:, -1].index_select(0, select), cache, packed.attention_mask.index_select(0, select)
+
+    def _sample_batch(
+        self,
+        encoded: list[list[int]],
+        batch: list[tuple[int, int]],
+        *,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seed: int,
+    ) -> tuple[list[list[int]], list[str]]:
+        import torch
+
+        with torch.inference_mode():
+            logits, cache, mask = self._prefill_shared(encoded, [i for i, _ in batch])
+            # One stream of uniforms per sample, drawn up front: sample t uses u[:, t].
+            u = torch.stack(
+                [
+                    torch.rand(
+                        max_new_tokens, generator=torch.Generator().manual_seed(sample_seed(seed, i, j))
+                    )
+                    for i, j in batch
+                ]
+            ).to(self.device)
+            stop = torch.tensor(self.stop_ids, device=self.device)
+            pos = mask.sum(-1, keepdim=True)  # next position id of each row
+            finished = torch.zeros(len(batch), dtype=torch.bool, device=self.device)
+            steps = []
+            for t in range(max_new_tokens):
+                nxt = _pick(logits.float(), u[:, t], temperature, top_p)
+                nxt = torch.where(finished, torch.full_like(nxt, self.pad_id), nxt)
+                steps.append(nxt)
+                finished |= torch.isin(nxt, stop)
+                if bool(finished.all()) or t == max_new_tokens - 1:
+                    break
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+                logits = self._forward(nxt[:, None], mask, pos, cache).logits[:, -1]
+                pos = pos + 1
+            gen = torch.stack(steps, dim=1).tolist()
+        toks, reasons = [], []
+        for row in gen:
+            cut = next((k for k, x in enumerate(row) if x in self.stop_ids), None)
+            toks.append(row if cut is None else row[: cut + 1])
+            reasons.append("length" if cut is None else "stop")
+        return toks, reasons
+
+    # ---- judging
+
+    def yes_probability(
+        self, pairs: list[tuple[str, str]], desc: str = "judge", *, share_prefix: bool = True
+    ) -> list[float]:
+        """P(yes) / (P(yes) + P(no)) for the token after prefix+suffix, summed over spellings.
+
+        The sequence is tokens(prefix) followed by tokens(suffix). With `share_prefix` each distinct
+        prefix is run once and its KV cache is copied to its suffixes; without it every pair is one
+        full left-padded sequence (the reference the tests compare against)."""
+        _check_pairs(pairs)
+        if not pairs:
+            return []
+        prefixes = list(dict.fromkeys(p for p, _ in pairs))
+        for p in prefixes:
+            if not self._encode([p])[0] and share_prefix:
+                raise EngineError("yes_probability: a prefix is empty; pass the whole prompt as the prefix")
+        suffix_ids = self._encode([s for _, s in pairs])
+        for k, s in enumerate(suffix_ids):
+            if not s:
+                raise EngineError(
+                    f"yes_probability: pair {k} has an empty suffix (it must hold at least one token)"
+                )
+        prefix_ids = dict(zip(prefixes, self._encode(prefixes), strict=True))
+        result: list[float] = [0.0] * len(pairs)
+        if not share_prefix:
+            full = [prefix_ids[p] + s for (p, _), s in zip(pairs, suffix_ids, strict=True)]
+            batches = [
+                list(range(s, min(s + self.batch_size, len(full))))
+                for s in range(0, len(full), self.batch_size)
+            ]
+            with self._progress(len(batches), desc) as bar:
+                for b in batches:
+                    packed = self._left_pad([full[k] for k in b])
+                    with _no_grad():
+                        logits = self._forward(
+                            packed.input_ids, packed.attention_mask, packed.position_ids
+                        ).logits[:, -1]
+                    for k, p in zip(b, self._p_yes(logits), strict=True):
+                        result[k] = p
+                    bar.update(1)
+            return result
+
+        by_prefix: dict[str, list[int]] = {p: [] for p in prefixes}
+        for k, (p, _) in enumerate(pairs):
+            by_prefix[p].append(k)
+        # Chunks of whole prefixes holding about batch_size pairs; a prefix with more pairs than that
+        # stays in one chunk and its suffixes are run in several batches against the same cache.
+        chunks: list[list[str]] = [[]]
+        rows_in_chunk = 0
+        for p in prefixes:
+            if chunks[-1] and rows_in_chunk + len(by_prefix[p]) > self.batch_size:
+                chunks.append([])
+                rows_in_chunk = 0
+            chunks[-1].append(p)
+            rows_in_chunk += len(by_prefix[p])
+        with self._progress(len(chunks), desc) as bar:
+            for chunk in chunks:
+                for k, prob in self._judge_chunk(chunk, by_prefix, prefix_ids, suffix_ids):
+                    result[k] = prob
+                bar.update(1)
+        return result
+
+    def _judge_chunk(
+        self,
+        chunk: list[str],
+        by_prefix: dict[str, list[int]],
+        prefix_ids: dict[str, list[int]],
+        suffix_ids: list[list[int]],
+    ) -> list[tuple[int, float]]:
+        import torch
+        from transformers import DynamicCache
+
+        with _no_grad():
+            packed = self._left_pad([prefix_ids[p] for p in chunk])
+            cache = DynamicCache(config=self.model.config)
+            self._forward(packed.input_ids, packed.attention_mask, packed.position_ids, cache)
+            layers = [(layer.keys, layer.values) for layer in cache.layers]
+            rows = [(c, k) for c, p in enumerate(chunk) for k in by_prefix[p]]
+            out = []
+            for s in range(0, len(rows), self.batch_size):
+                sub = rows[s : s + self.batch_size]
+                pick = torch.tensor([c for c, _ in sub], device=self.device)
+                sub_cache = DynamicCache(
+                    ddp_cache_data=[(k.index_select(0, pick), v.index_select(0, pick)) for k, v in layers],
+                    config=self.model.config,
+                )
+                # Suffixes are left-padded too, so every row ends at the last column and only that
+                # column needs logits; the padding sits between prefix and suffix, masked out, and
+                # position ids continue from each row's prefix length.
+                suffix = self._left_pad([suffix_ids[k] for _, k in sub])
+                prefix_mask = packed.attention_mask.index_select(0, pick)
+                mask = torch.cat([prefix_mask, suffix.attention_mask], dim=-1)
+                pos = prefix_mask.sum(-1, keepdim=True) + suffix.position_ids
+                logits = self._forward(suffix.input_ids, mask, pos, sub_cache).logits[:, -1]
+                out.extend(zip([k for _, k in sub], self._p_yes(logits), strict=True))
+        return out
+
+    def _p_yes(self, logits: Any) -> list[float]:
+        import torch
+
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        yes = torch.logsumexp(logp[:, self.yes_ids], dim=-1)
+        no = torch.logsumexp(logp[:, self.no_ids], dim=-1)
+        return torch.sigmoid(yes - no).tolist()  # = P(yes) / (P(yes) + P(no))
+
+    # ---- scoring
+
+    def logprobs(self, prompts: list[str], completions: list[str]) -> list[list[float]]:
+        """Log-probability of each completion token given the prompt and the tokens before it.
+        The sequence is tokens(prompt) followed by tokens(completion)."""
+        import torch
+
+        if len(prompts) != len(completions):
+            raise EngineError(f"logprobs: {len(prompts)} prompts but {len(completions)} completions")
+        if not prompts:
+            return []
+        p_ids, c_ids = self._encode(prompts), self._encode(completions)
+        for i, p in enumerate(p_ids):
+            if not p:
+                raise EngineError(f"logprobs: prompt {i} is empty")
+        result: list[list[float]] = []
+        for s in range(0, len(prompts), self.batch_size):
+            idx = range(s, min(s + self.batch_size, len(prompts)))
+            # Left padding puts every completion at the right edge, so only the last max_c + 1 positions
+            # need logits (the vocabulary projection dominates memory for long prompts).
+            packed = self._left_pad([p_ids[i] + c_ids[i] for i in idx])
+            keep = max(len(c_ids[i]) for i in idx) + 1
+            with _no_grad():
+                logits = self._forward(
+                    packed.input_ids, packed.attention_mask, packed.position_ids, logits_to_keep=keep
+                ).logits
+                logp = torch.log_softmax(
+                    logits[:, :-1].float(), dim=-1
+                )  # predicts tokens at the last keep-1 positions
+                targets = packed.input_ids[:, -(keep - 1) :] if keep > 1 else packed.input_ids[:, :0]
+                tok_lp = logp.gather(-1, targets[..., None])[..., 0].cpu()
+            for r, i in enumerate(idx):
+                c = len(c_ids[i])
+                result.append(tok_lp[r, tok_lp.shape[1] - c :].tolist() if c else [])
+        return result
+
+
+def _no_grad() -> Any:
+    import torch
+
+    return torch.inference_mode()
+
+
+# --------------------------------------------------------------------------------------------------
+# sampling
+
+
+def _pick(logits: Any, u: Any, temperature: float, top_p: float) -> Any:
+    """Next token per row from fp32 logits and one uniform number per row (inverse-CDF sampling)."""
+    import torch
+
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1:
+        probs, order = probs.sort(dim=-1, descending=True)
+        before = probs.cumsum(-1) - probs  # mass of the tokens ranked above each token
+        probs = probs.masked_fill(before >= top_p, 0.0)  # the top token always stays (before = 0)
+    else:
+        order = None
+    cdf = probs.cumsum(-1)
+    # side="right": the first token whose cumulative mass exceeds u·total, never a zero-mass token.
+    target = (u * cdf[:, -1])[:, None]
+    idx = torch.searchsorted(cdf, target, side="right").clamp(max=probs.shape[-1] - 1)[:, 0]
+    return idx if order is None else order.gather(-1, idx[:, None])[:, 0]
+
+
+# --------------------------------------------------------------------------------------------------
+# vLLM
+
+
+class VLLMEngine(Engine):
+    """vLLM backend for GPU nodes (vllm is imported only here: it is not installable on CPU machines)."""
+
+    def __init__(
+        self,
+        model_ref: str,
+        *,
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.85,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+    ) -> None:
+        try:
+            import vllm
+        except ImportError as e:
+            raise EngineError(
+                "engine 'vllm' needs the vllm package (GPU image, `pip install dynamicrubric[gpu]`); "
+                "use engine: hf on machines without a GPU"
+            ) from e
+        self._vllm = vllm
+        self.model_ref = model_ref
+        path = resolve_model(model_ref)
+        self.llm = vllm.LLM(
+            model=str(path),
+            dtype="bfloat16" if dtype == "auto" else dtype,
+            enable_prefix_caching=True,  # shares the KV cache of a judged response across its items
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            seed=seed,
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        self.yes_ids, self.no_ids = answer_token_ids(self.tokenizer)
+
+    def generate(
+        self,
+        prompts: list[str],
+        n: int = 1,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 128,
+        seed: int = 0,
+        desc: str = "generate",
+    ) -> list[Generation]:
+        _check_sampling(n, temperature, top_p, max_new_tokens)
+        if not prompts:
+            return []
+        params = [
+            self._vllm.SamplingParams(
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=max_new_tokens,
+                seed=sample_seed(seed, i, 0),
+            )
+            for i in range(len(prompts))
+        ]
+        outputs = self.llm.generate(prompts, params, use_tqdm=True)
+        return [
+            Generation(
+                texts=[c.text for c in o.outputs],
+                num_tokens=[len(c.token_ids) for c in o.outputs],
+                finish_reasons=["stop" if c.finish_reason == "stop" else "length" for c in o.outputs],
+            )
+            for o in outputs
+        ]
+
+    def yes_probability(self, pairs: list[tuple[str, str]], desc: str = "judge") -> list[float]:
+        """From the top-20 log-probs of one generated token; spellings outside the top 20 count as 0."""
+        import math
+
+        _check_pairs(pairs)
+        if not pairs:
+            return []
+        params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
+        outputs = self.llm.generate([p + s for p, s in pairs], params, use_tqdm=True)
+        result = []
+        for o in outputs:
+            top = o.outputs[0].logprobs[0]  # {token_id: Logprob}
+            yes = sum(math.exp(top[t].logprob) for t in self.yes_ids if t in top)
+            no = sum(math.exp(top[t].logprob) for t in self.no_ids if t in top)
+            result.append(yes / (yes + no) if yes + no > 0 else 0.5)
+        return result
+
+    def logprobs(self, prompts: list[str], completions: list[str]) -> list[list[float]]:
+        """From vLLM's prompt log-probs of prompt+completion (prompt_logprobs=0: the actual token only)."""
+        if len(prompts) != len(completions):
+            raise EngineError(f"logprobs: {len(prompts)} prompts but {len(completions)} completions")
+        if not prompts:
+            return []
+        enc = self.tokenizer
+        token_prompts = []
+        counts = []
+        for p, c in zip(prompts, completions, strict=True):
+            p_ids, c_ids = enc.encode(p, add_special_tokens=False), enc.encode(c, add_special_tokens=False)
+            token_prompts.append({"prompt_token_ids": p_ids + c_ids})
+            counts.append(len(c_ids))
+        params = self._vllm.SamplingParams(max_tokens=1, prompt_logprobs=0)
+        outputs = self.llm.generate(token_prompts, params, use_tqdm=False)
+        result = []
+        for o, c in zip(outputs, counts, strict=True):
+            ids = o.prompt_token_ids
+            lps = o.prompt_logprobs  # one dict per prompt position (None for the first)
+            result.append([lps[k][ids[k]].logprob for k in range(len(ids) - c, len(ids))])
+        return result
+
+
+def load_engine(model_ref: str, cfg: EngineConfig) -> Engine:
+    """The engine `cfg.engine` names, loaded with `model_ref`."""
+    if cfg.engine == "hf":
+        return HFEngine(model_ref, device=cfg.device, dtype=cfg.dtype, batch_size=cfg.batch_size)
+    if cfg.engine == "vllm":
+        if cfg.device == "cpu":
+            raise EngineError("engine 'vllm' runs on a GPU; set engine: hf for device: cpu")
+        return VLLMEngine(
+            model_ref,
+            dtype=cfg.dtype,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+        )
+    raise EngineError(f"engine: unknown engine {cfg.engine!r}; expected 'hf' or 'vllm'")

