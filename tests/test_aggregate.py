@@ -326,6 +326,7 @@ def test_run_aggregate_round_trip(tmp_path):
             "generator_prompt": "g",
             "completion": ["1. x (1)\n2. y (1)", "???"],
             "parse_status": ["lines", "empty"],
+            "finish_reason": ["stop", "length"],
             "items": [[{"text": "x", "weight": 1}, {"text": "y", "weight": 1}], []],
         }
     )

@@ -39,6 +39,7 @@ SAMPLES: dict[str, list[dict]] = {
             "generator_prompt": "...",
             "completion": "1. (5) correct",
             "parse_status": "lines",
+            "finish_reason": "stop",
             "items": [{"text": "correct", "weight": 5}],
         },
         {
@@ -49,6 +50,7 @@ SAMPLES: dict[str, list[dict]] = {
             "generator_prompt": "...",
             "completion": "??",
             "parse_status": "empty",
+            "finish_reason": "length",
             "items": [],
         },
     ],

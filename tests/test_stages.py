@@ -140,6 +140,7 @@ def test_judge_covers_every_item_and_response(tmp_path, tiny_engine):
         "generator_prompt": "",
         "completion": "",
         "parse_status": "json",
+        "finish_reason": "stop",
     }
     write_artifact(
         str(tmp_path / "rub.parquet"),
@@ -193,6 +194,7 @@ def test_rubrics_for_missing_responses_is_an_error(tmp_path, tiny_engine):
         "generator_prompt": "",
         "completion": "",
         "parse_status": "json",
+        "finish_reason": "stop",
     }
     write_artifact(
         str(tmp_path / "rub.parquet"),

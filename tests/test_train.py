@@ -59,7 +59,7 @@ def write_evaluator_data(folder: Path) -> tuple[str, str]:
             rubrics.append(
                 {"prompt_id": pid, "rubric_idx": g, "variant": "dynamic", "generator": "tiny-random",
                  "generator_prompt": f"Task {c}: write a rubric that separates the responses.",
-                 "completion": text, "parse_status": "lines", "items": []}
+                 "completion": text, "parse_status": "lines", "finish_reason": "stop", "items": []}
             )  # fmt: skip
             # r_disc favours sample 0, r_anchor (only on set0) agrees: sample 0 best, sample 3 worst
             rewards.append({"prompt_id": pid, "rubric_idx": g, "r_disc": [0.25, 0.2, 0.1, 0.0][g],

@@ -101,6 +101,7 @@ KINDS: dict[str, Kind] = {
                     _f("generator", pa.string()),
                     _f("generator_prompt", pa.string()),  # the exact text the generator was given
                     _f("completion", pa.string()),  # the raw text it wrote (trained on by GRPO)
+                    _f("finish_reason", pa.string()),  # "stop" | "length": train appends eos on "stop"
                     _f("parse_status", pa.string()),  # "json" | "lines" | "empty"
                     _f("items", pa.list_(pa.field("item", RUBRIC_ITEM, nullable=False))),
                 ]
@@ -184,7 +185,6 @@ KINDS: dict[str, Kind] = {
                 ]
             ),
             keys=("list_id", "sample_idx"),
-            min_rows=1,
             ranges={"rank": (1, 2**31 - 1)},
         ),
         Kind(
@@ -290,14 +290,14 @@ def read_frame(uri: str, expected_kind: str) -> pd.DataFrame:
     return read_artifact(uri, expected_kind).to_pandas()
 
 
-def artifact_kind(uri: str) -> str:
-    """The kind recorded in a file's footer, without reading its rows."""
-    data = store.read_bytes(uri)
-    try:
-        meta = pq.read_schema(io.BytesIO(data)).metadata or {}
-    except (pa.ArrowInvalid, OSError) as e:
-        raise ArtifactError(f"{uri}: not a readable Parquet file ({e})") from e
-    return meta.get(KIND_KEY, b"<none>").decode()
+def read_frames(uris: list[str], kind_name: str) -> pd.DataFrame:
+    """Several artifacts of one kind (e.g. the shards of a fan-out) as one validated frame."""
+    tables = [read_artifact(uri, kind_name) for uri in uris]
+    if not tables:
+        raise ArtifactError(f"no {kind_name!r} artifacts given")
+    merged = pa.concat_tables(tables)
+    validate_table(merged, kind(kind_name), " + ".join(uris))  # keys must stay unique across shards
+    return merged.to_pandas()
 
 
 def _check_columns(table: pa.Table, k: Kind, where: str) -> None:
@@ -363,3 +363,13 @@ def _compatible(found: pa.DataType, expected: pa.DataType) -> bool:
     if pa.types.is_list(found) or pa.types.is_large_list(found):
         return pa.types.is_list(expected) and found.value_type.equals(expected.value_type)
     return False
+
+
+def artifact_kind(uri: str) -> str:
+    """The kind recorded in a file's footer, without validating its rows."""
+    data = store.read_bytes(uri)
+    try:
+        meta = pq.read_schema(io.BytesIO(data)).metadata or {}
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ArtifactError(f"{uri}: not a readable Parquet file ({e})") from e
+    return meta.get(KIND_KEY, b"<none>").decode()

@@ -8,6 +8,7 @@ import sys
 
 from dynamicrubric.artifacts import KIND_KEY, ArtifactError
 from dynamicrubric.config import ConfigError
+from dynamicrubric.launch import LaunchError
 from dynamicrubric.store import StoreError
 
 
@@ -52,9 +53,14 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     from dynamicrubric.rollout import run_rollout
 
     counts = run_rollout(
-        args.prompts, args.out, _config(args), policy=args.policy, seed=args.seed,
-        shard=args.shard, num_shards=args.num_shards,
-    )  # fmt: skip
+        args.prompts,
+        args.out,
+        _config(args),
+        policy=args.policy,
+        seed=args.seed,
+        shard=args.shard,
+        num_shards=args.num_shards,
+    )
     return _print_counts("rollout", counts)
 
 
@@ -62,9 +68,14 @@ def cmd_rubrics(args: argparse.Namespace) -> int:
     from dynamicrubric.rubrics import run_rubrics
 
     counts = run_rubrics(
-        args.rollouts, args.out, _config(args), generator=args.generator, samples=args.samples,
-        variant=args.variant, seed=args.seed,
-    )  # fmt: skip
+        args.rollouts,
+        args.out,
+        _config(args),
+        generator=args.generator,
+        samples=args.samples,
+        variant=args.variant,
+        seed=args.seed,
+    )
     return _print_counts("rubrics", counts)
 
 
@@ -75,6 +86,149 @@ def cmd_judge(args: argparse.Namespace) -> int:
         args.rollouts, args.out, _config(args), rubrics_uri=args.rubrics, verifier=args.verifier
     )
     return _print_counts("judge", counts)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from dynamicrubric.launch import format_table, round_table, run_local
+    from dynamicrubric.tracking import tracking_uri
+
+    cfg = _config_with_rounds(args)
+    print(
+        f"dynrubric run: preset {cfg.preset}, {cfg.pipeline.rounds} round(s), pipeline root {cfg.pipeline.pipeline_root}"
+    )
+    parent = run_local(cfg)
+    print()
+    print(format_table(round_table(cfg, parent)))
+    uri = tracking_uri(cfg)
+    if uri:
+        print(f"\nMLflow parent run {parent}. Open the UI with:\n  mlflow ui --backend-store-uri {uri}")
+    return 0
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from dynamicrubric.launch import compile_to
+
+    print(compile_to(_config_with_rounds(args), args.out))
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from dynamicrubric.launch import submit
+
+    cfg = _config_with_rounds(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        run_id = submit(cfg, args.host, args.experiment, args.run_name, f"{tmp}/pipeline.yaml")
+    print(f"submitted run {run_id} to {args.host}")
+    return 0
+
+
+def _config_with_rounds(args: argparse.Namespace):
+    from dynamicrubric.config import load_config
+
+    overrides = {"pipeline": {"rounds": args.rounds}} if getattr(args, "rounds", None) else None
+    return load_config(args.config, preset=args.preset, overrides=overrides)
+
+
+# The remaining stages call the same step functions the KFP components call (without MLflow), so
+# rerunning one on a finished run's artifact URIs reproduces that task's output.
+
+
+def cmd_prepare_data(args: argparse.Namespace) -> int:
+    from dynamicrubric import steps
+
+    counts = steps.prepare_data(_config(args).to_yaml(), "", args.out_train, args.out_eval, args.out_anchors)
+    return _print_counts("prepare-data", counts)
+
+
+def cmd_candidates(args: argparse.Namespace) -> int:
+    from dynamicrubric import steps
+
+    counts = steps.candidates(
+        _config(args).to_yaml(),
+        "",
+        0,
+        args.rollouts,
+        args.prompts,
+        args.anchor_lists,
+        args.shard,
+        args.num_shards,
+        args.out,
+        args.out_anchors,
+    )
+    return _print_counts("candidates", counts)
+
+
+def cmd_aggregate(args: argparse.Namespace) -> int:
+    from dynamicrubric import steps
+
+    overall = steps.aggregate(
+        _config(args).to_yaml(),
+        "",
+        args.round,
+        args.label,
+        args.judgments,
+        args.rollouts,
+        args.rubrics or [],
+        args.anchors or [],
+        args.out_scores,
+        args.out_rewards,
+        args.out_diagnostics,
+        args.out_metrics,
+    )
+    return _print_counts("aggregate", overall)
+
+
+def cmd_train_evaluator(args: argparse.Namespace) -> int:
+    from dynamicrubric import steps
+
+    result = steps.train_evaluator(
+        _config(args).to_yaml(),
+        "",
+        args.round,
+        args.rubrics,
+        args.rewards,
+        args.generator,
+        args.out,
+        args.metrics,
+    )
+    return _print_counts("train-evaluator", result)
+
+
+def cmd_train_policy(args: argparse.Namespace) -> int:
+    from dynamicrubric import steps
+
+    result = steps.train_policy(
+        _config(args).to_yaml(),
+        "",
+        args.round,
+        args.rollouts,
+        args.scores,
+        args.policy,
+        args.out,
+        args.metrics,
+    )
+    return _print_counts("train-policy", result)
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from dynamicrubric import steps
+
+    cfg = _config(args)
+    result = steps.evaluate(
+        cfg.to_yaml(),
+        "",
+        args.round,
+        args.prompts,
+        args.policy,
+        args.generator or cfg.models.generator,
+        args.verifier or cfg.models.verifier,
+        args.previous_policy or "",
+        args.out,
+        args.plots,
+    )
+    return _print_counts("evaluate", result)
 
 
 def _stage_parser(sub, name: str, help_text: str, func) -> argparse.ArgumentParser:
@@ -108,6 +262,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", help="smollm2-135m-instruct | tiny-random")
     p.set_defaults(func=cmd_model_prepare)
 
+    p = _stage_parser(
+        sub, "run", "run the whole co-evolution pipeline locally (kfp.local, MLflow in sqlite)", cmd_run
+    )
+    p.add_argument("--rounds", type=int, help="override pipeline.rounds")
+    p = _stage_parser(sub, "compile", "compile the pipeline to a KFP YAML package", cmd_compile)
+    p.add_argument("--out", required=True, metavar="FILE")
+    p.add_argument("--rounds", type=int, help="override pipeline.rounds")
+    p = _stage_parser(
+        sub, "submit", "compile and submit the pipeline to a Kubeflow Pipelines host", cmd_submit
+    )
+    p.add_argument("--host", required=True, help="KFP API endpoint, e.g. http://localhost:8080")
+    p.add_argument("--experiment", help="KFP experiment (default: pipeline.experiment)")
+    p.add_argument("--run-name", help="KFP run name (default: derived from the config)")
+    p.add_argument("--rounds", type=int, help="override pipeline.rounds")
+
     stage = sub.add_parser("stage", help="run one pipeline stage on artifact URIs (local paths or s3://)")
     stages = stage.add_subparsers(dest="stage", required=True, metavar="NAME")
 
@@ -136,6 +305,72 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rubrics", metavar="URI", help="rubrics artifact; omit for the pointwise judge")
     p.add_argument("--out", required=True, metavar="URI", help="judgments artifact to write")
     p.add_argument("--verifier", help="verifier model reference (default: models.verifier)")
+
+    p = _stage_parser(
+        stages, "prepare-data", "training and held-out prompts, and anchor lists", cmd_prepare_data
+    )
+    p.add_argument("--out-train", required=True, metavar="URI", help="training prompts artifact to write")
+    p.add_argument("--out-eval", required=True, metavar="URI", help="held-out prompts artifact to write")
+    p.add_argument("--out-anchors", required=True, metavar="URI", help="anchor lists artifact to write")
+
+    p = _stage_parser(stages, "candidates", "candidate sets and their reference rankings", cmd_candidates)
+    p.add_argument("--rollouts", required=True, metavar="URI")
+    p.add_argument("--prompts", required=True, metavar="URI", help="the prompts the rollouts answer")
+    p.add_argument(
+        "--anchor-lists", required=True, metavar="URI", help="human-ranked lists (anchors artifact)"
+    )
+    p.add_argument("--shard", type=int, default=0)
+    p.add_argument("--num-shards", type=int, default=1)
+    p.add_argument("--out", required=True, metavar="URI", help="candidate sets (rollouts artifact) to write")
+    p.add_argument("--out-anchors", required=True, metavar="URI", help="rankings (anchors artifact) to write")
+
+    p = _stage_parser(stages, "aggregate", "scores, generator rewards and signal diagnostics", cmd_aggregate)
+    p.add_argument("--judgments", required=True, nargs="+", metavar="URI", help="judgments (one per shard)")
+    p.add_argument("--rollouts", required=True, nargs="+", metavar="URI", help="the judged candidate sets")
+    p.add_argument("--rubrics", nargs="+", metavar="URI", help="rubrics (omit for the pointwise judge)")
+    p.add_argument(
+        "--anchors", nargs="+", metavar="URI", help="reference rankings (for R_anchor and the gap)"
+    )
+    p.add_argument("--out-scores", required=True, metavar="URI")
+    p.add_argument("--out-rewards", required=True, metavar="URI")
+    p.add_argument("--out-diagnostics", required=True, metavar="URI")
+    p.add_argument("--out-metrics", required=True, metavar="URI")
+    p.add_argument("--round", type=int, default=0)
+    p.add_argument("--label", default="policy", help="which stage of the round: generator | policy")
+
+    p = _stage_parser(
+        stages, "train-evaluator", "GRPO on the generator with R_disc + λ·R_anchor", cmd_train_evaluator
+    )
+    p.add_argument(
+        "--rubrics", required=True, nargs="+", metavar="URI", help="rubric samples (one per shard)"
+    )
+    p.add_argument("--rewards", required=True, metavar="URI")
+    p.add_argument("--generator", required=True, help="the generator to start from (reference or checkpoint)")
+    p.add_argument("--out", required=True, metavar="URI", help="checkpoint folder to write")
+    p.add_argument("--metrics", required=True, metavar="URI", help="per-step metrics artifact to write")
+    p.add_argument("--round", type=int, default=0)
+
+    p = _stage_parser(
+        stages, "train-policy", "GRPO on the policy with the aggregated scores", cmd_train_policy
+    )
+    p.add_argument("--rollouts", required=True, nargs="+", metavar="URI", help="rollouts (one per shard)")
+    p.add_argument("--scores", required=True, metavar="URI")
+    p.add_argument("--policy", required=True, help="the policy to start from (reference or checkpoint)")
+    p.add_argument("--out", required=True, metavar="URI", help="checkpoint folder to write")
+    p.add_argument("--metrics", required=True, metavar="URI", help="per-step metrics artifact to write")
+    p.add_argument("--round", type=int, default=0)
+
+    p = _stage_parser(
+        stages, "evaluate", "evaluator accuracy and policy quality on held-out data", cmd_evaluate
+    )
+    p.add_argument("--prompts", required=True, metavar="URI", help="held-out prompts artifact")
+    p.add_argument("--policy", required=True, help="policy reference or checkpoint")
+    p.add_argument("--generator", help="generator reference or checkpoint (default: models.generator)")
+    p.add_argument("--verifier", help="default: models.verifier")
+    p.add_argument("--previous-policy", help="for the win rate of --policy over it")
+    p.add_argument("--out", required=True, metavar="URI", help="metrics artifact to write")
+    p.add_argument("--plots", required=True, metavar="DIR", help="folder for the PNG plots")
+    p.add_argument("--round", type=int, default=0)
     return parser
 
 
@@ -147,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (ArtifactError, ConfigError, StoreError) as e:
+    except (ArtifactError, ConfigError, StoreError, LaunchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

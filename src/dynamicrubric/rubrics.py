@@ -77,7 +77,7 @@ def run_rubrics(
     )
     rows = []
     for request, gen in zip(requests.itertuples(), generations, strict=True):
-        for g, completion in enumerate(gen.texts):
+        for g, (completion, finish_reason) in enumerate(zip(gen.texts, gen.finish_reasons, strict=True)):
             parsed = parse_rubric(completion, rc.num_items)
             rows.append(
                 {
@@ -87,6 +87,7 @@ def run_rubrics(
                     "generator": generator,
                     "generator_prompt": request.generator_prompt,
                     "completion": completion,
+                    "finish_reason": finish_reason,
                     "parse_status": parsed.status,
                     "items": parsed.items,
                 }

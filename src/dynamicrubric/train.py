@@ -169,8 +169,7 @@ def evaluator_examples(rubrics_uri: Uris, rewards_uri: Uris, cfg: EvaluatorTrain
             group=str(row.prompt_id),
             user_message=row.generator_prompt,
             completion=row.completion,
-            # The rubrics artifact does not record whether generation stopped on eos, so no eos is added.
-            add_eos=False,
+            add_eos=row.finish_reason == "stop",
             reward=float(r),
             advantage=float(a),
         )
