@@ -176,6 +176,7 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
         args.out_rewards,
         args.out_diagnostics,
         args.out_metrics,
+        args.prompts or "",
     )
     return _print_counts("aggregate", overall)
 
@@ -330,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rubrics", nargs="+", metavar="URI", help="rubrics (omit for the pointwise judge)")
     p.add_argument(
         "--anchors", nargs="+", metavar="URI", help="reference rankings (for R_anchor and the gap)"
+    )
+    p.add_argument(
+        "--prompts", metavar="URI", help="without --anchors: rank responses by correctness for the gap"
     )
     p.add_argument("--out-scores", required=True, metavar="URI")
     p.add_argument("--out-rewards", required=True, metavar="URI")

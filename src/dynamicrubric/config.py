@@ -132,6 +132,7 @@ class PipelineConfig(Section):
     node_selector: dict[str, str] = {}
     tolerations: list[dict[str, str]] = []
     s3_secret: str = "dynamicrubric-s3"  # Kubernetes Secret holding AWS_* keys, mounted as env
+    service_account: str = "dynamicrubric-runner"  # Kubernetes ServiceAccount the run's pods use
     shm_size: str = "16Gi"
     resources: dict[str, StageResources] = {}
 

@@ -1,0 +1,389 @@
+"""What each pipeline task does, as plain functions over local paths and strings.
+
+A KFP component (components/stages.py) only parses nothing and calls one of these; here the stage
+is run, shards are merged, and lineage goes to MLflow. Keeping this in the library means every
+task can be run and tested without KFP, and `dynrubric stage NAME` reruns the same code.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+from dynamicrubric import tracking
+from dynamicrubric.artifacts import empty_table, read_frame, read_frames, write_artifact
+from dynamicrubric.config import Config, config_from_yaml
+
+log = logging.getLogger(__name__)
+
+
+def _setup(config_yaml: str) -> Config:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return config_from_yaml(config_yaml)
+
+
+def _merged(paths: list[str], kind: str, workdir: str) -> str:
+    """One artifact holding all shards (a single path is used as it is)."""
+    if len(paths) == 1:
+        return paths[0]
+    out = str(Path(workdir) / f"{kind}.parquet")
+    write_artifact(out, kind, read_frames(paths, kind))
+    return out
+
+
+def round_seed(cfg: Config, round_idx: int, purpose: int) -> int:
+    """Distinct, reproducible seeds per round and use (0: generator samples, 1: policy samples, ...)."""
+    return cfg.seed * 1_000_003 + round_idx * 101 + purpose
+
+
+def start_tracking(config_yaml: str, run_name: str) -> str:
+    """Create the MLflow parent run; later tasks find it by `run_name` (see tracking.py)."""
+    cfg = _setup(config_yaml)
+    return tracking.start_pipeline_run(cfg, run_name, cfg.pipeline.rounds)
+
+
+def prepare_data(
+    config_yaml: str, run_name: str, train_prompts: str, eval_prompts: str, anchor_lists: str
+) -> dict:
+    """Training and held-out prompts, and the user's anchor lists (Nectar format) for R_anchor."""
+    from dynamicrubric import tasks
+
+    cfg = _setup(config_yaml)
+    d = cfg.data
+    write_artifact(train_prompts, "prompts", tasks.load_prompts(d.sources, d.num_prompts, "train", d.seed))
+    write_artifact(
+        eval_prompts, "prompts", tasks.load_prompts(d.sources, max(d.eval_prompts, 1), "eval", d.seed)
+    )
+    lists = [tasks.load_nectar(uri) for uri in d.anchors]
+    write_artifact(anchor_lists, "anchors", pd.concat(lists) if lists else empty_table("anchors"))
+    with tracking.stage_run(cfg, run_name, 0, "prepare_data") as run:
+        if run:
+            for uri, kind in [
+                (train_prompts, "prompts"),
+                (eval_prompts, "prompts"),
+                (anchor_lists, "anchors"),
+            ]:
+                run.log_artifact_dataset(uri, kind, "output")
+    return {"train_prompts": len(read_frame(train_prompts, "prompts"))}
+
+
+def rollout(
+    config_yaml: str,
+    run_name: str,
+    round_idx: int,
+    label: str,
+    prompts: str,
+    out: str,
+    policy: str,
+    shard: int,
+    num_shards: int,
+    seed: int,
+) -> dict:
+    from dynamicrubric.rollout import run_rollout
+
+    cfg = _setup(config_yaml)
+    counts = run_rollout(prompts, out, cfg, policy=policy, seed=seed, shard=shard, num_shards=num_shards)
+    with tracking.stage_run(cfg, run_name, round_idx, f"{label}-rollout-{shard}") as run:
+        if run:
+            run.log_params({"policy": policy, "seed": seed, "shard": shard, "num_shards": num_shards})
+            run.log_artifact_dataset(prompts, "prompts", "input")
+            run.log_artifact_dataset(out, "rollouts", "output")
+            run.log_metrics(counts)
+    return counts
+
+
+def rollouts_from_anchors(anchors: pd.DataFrame) -> pd.DataFrame:
+    """Anchor lists as candidate sets (rollouts-shaped), so rubrics and judging treat them alike."""
+    return pd.DataFrame(
+        {
+            "prompt_id": anchors["list_id"],
+            "sample_idx": anchors["sample_idx"],
+            "prompt": anchors["prompt"],
+            "response": anchors["response"],
+            "num_tokens": anchors["response"].str.split().str.len().fillna(0).astype(int),
+            "finish_reason": "stop",
+            "policy": "anchor:" + anchors["source"],
+            "seed": 0,
+        }
+    )
+
+
+def candidates(
+    config_yaml: str,
+    run_name: str,
+    round_idx: int,
+    rollouts: str,
+    prompts: str,
+    anchor_lists: str,
+    shard: int,
+    num_shards: int,
+    out_candidates: str,
+    out_anchors: str,
+) -> dict:
+    """The generator's candidate sets: the policy's rollouts plus this shard's anchor lists.
+
+    The anchors output ranks the sets that have a reference order: rollouts ranked by verifiable
+    correctness (correct ≻ incorrect) and the user's human-ranked lists.
+    """
+    from dynamicrubric import tasks
+
+    cfg = _setup(config_yaml)
+    policy_sets = read_frame(rollouts, "rollouts")
+    outcome_lists = tasks.anchors_from_outcomes(
+        policy_sets, read_frame(prompts, "prompts"), timeout_s=cfg.evaluate.sandbox_timeout_s
+    )
+    if not cfg.data.anchors_from_outcomes:
+        outcome_lists = outcome_lists.iloc[0:0]
+    user_lists = read_frame(anchor_lists, "anchors")
+    list_ids = sorted(user_lists["list_id"].unique())
+    mine = set(list_ids[shard::num_shards])
+    user_lists = user_lists[user_lists["list_id"].isin(mine)]
+    write_artifact(out_candidates, "rollouts", pd.concat([policy_sets, rollouts_from_anchors(user_lists)]))
+    write_artifact(out_anchors, "anchors", pd.concat([outcome_lists, user_lists]))
+    counts = {
+        "policy_sets": policy_sets["prompt_id"].nunique(),
+        "ranked_policy_sets": outcome_lists["list_id"].nunique(),
+        "anchor_lists": len(mine),
+    }
+    with tracking.stage_run(cfg, run_name, round_idx, f"generator-candidates-{shard}") as run:
+        if run:
+            run.log_params({"shard": shard, "num_shards": num_shards})
+            run.log_artifact_dataset(rollouts, "rollouts", "input")
+            run.log_artifact_dataset(anchor_lists, "anchors", "input")
+            run.log_artifact_dataset(out_candidates, "rollouts", "output")
+            run.log_artifact_dataset(out_anchors, "anchors", "output")
+            run.log_metrics(counts)
+    return counts
+
+
+def rubrics(
+    config_yaml: str,
+    run_name: str,
+    round_idx: int,
+    label: str,
+    candidates: str,
+    out: str,
+    generator: str,
+    samples: int,
+    shard: int,
+    seed: int,
+) -> dict:
+    from dynamicrubric.rubrics import run_rubrics
+
+    cfg = _setup(config_yaml)
+    counts = run_rubrics(candidates, out, cfg, generator=generator, samples=samples, seed=seed)
+    with tracking.stage_run(cfg, run_name, round_idx, f"{label}-rubrics-{shard}") as run:
+        if run:
+            run.log_params({"generator": generator, "samples": samples, "seed": seed, "shard": shard})
+            run.log_artifact_dataset(candidates, "rollouts", "input")
+            run.log_artifact_dataset(out, "rubrics", "output")
+            run.log_metrics(counts)
+    return counts
+
+
+def judge(
+    config_yaml: str,
+    run_name: str,
+    round_idx: int,
+    label: str,
+    candidates: str,
+    rubrics: str,
+    out: str,
+    verifier: str,
+    shard: int,
+) -> dict:
+    from dynamicrubric.judge import run_judge
+
+    cfg = _setup(config_yaml)
+    counts = run_judge(candidates, out, cfg, rubrics_uri=rubrics or None, verifier=verifier)
+    with tracking.stage_run(cfg, run_name, round_idx, f"{label}-judge-{shard}") as run:
+        if run:
+            run.log_params({"verifier": verifier, "shard": shard})
+            run.log_artifact_dataset(candidates, "rollouts", "input")
+            if rubrics:
+                run.log_artifact_dataset(rubrics, "rubrics", "input")
+            run.log_artifact_dataset(out, "judgments", "output")
+            run.log_metrics({k: v for k, v in counts.items() if k != "variant"})
+    return counts
+
+
+def aggregate(
+    config_yaml: str,
+    run_name: str,
+    round_idx: int,
+    label: str,
+    judgments: list[str],
+    candidates: list[str],
+    rubrics: list[str],
+    anchors: list[str],
+    out_scores: str,
+    out_rewards: str,
+    out_diagnostics: str,
+    out_metrics: str,
+    prompts: str = "",
+) -> dict:
+    """Aggregate the shards. Without `anchors` but with `prompts`, the responses are ranked by their
+    verifiable correctness first, so the mean gap (Δgap) has a reference ordering to measure against."""
+    from dynamicrubric.aggregate import run_aggregate
+
+    cfg = _setup(config_yaml)
+    variant = "pointwise" if not rubrics else cfg.rubrics.variant
+    with tempfile.TemporaryDirectory() as work:
+        candidates_uri = _merged(candidates, "rollouts", work)
+        anchors_uri = _merged(anchors, "anchors", work) if anchors else None
+        if anchors_uri is None and prompts:
+            from dynamicrubric import tasks
+
+            anchors_uri = str(Path(work) / "outcome-anchors.parquet")
+            ranked = tasks.anchors_from_outcomes(
+                read_frame(candidates_uri, "rollouts"),
+                read_frame(prompts, "prompts"),
+                timeout_s=cfg.evaluate.sandbox_timeout_s,
+            )
+            write_artifact(anchors_uri, "anchors", ranked)
+        overall = run_aggregate(
+            _merged(judgments, "judgments", work),
+            candidates_uri,
+            out_scores,
+            out_rewards,
+            out_diagnostics,
+            out_metrics,
+            rubrics_uri=_merged(rubrics, "rubrics", work) if rubrics else None,
+            anchors_uri=anchors_uri,
+            soft=cfg.aggregate.soft,
+            round_idx=round_idx,
+            variant=variant,
+        )
+    with tracking.stage_run(cfg, run_name, round_idx, f"{label}-aggregate") as run:
+        if run:
+            inputs = [(u, "judgments") for u in judgments] + [(u, "rollouts") for u in candidates]
+            inputs += [(u, "rubrics") for u in rubrics] + [(u, "anchors") for u in anchors]
+            inputs += [(prompts, "prompts")] if prompts else []
+            for uri, kind in inputs:
+                run.log_artifact_dataset(uri, kind, "input")
+            for uri, kind in [
+                (out_scores, "scores"),
+                (out_rewards, "rewards"),
+                (out_diagnostics, "diagnostics"),
+            ]:
+                run.log_artifact_dataset(uri, kind, "output")
+            run.log_metrics(overall)
+    return overall
+
+
+def train_evaluator(
+    config_yaml: str,
+    run_name: str,
+    round_idx: int,
+    rubrics: list[str],
+    rewards: str,
+    generator: str,
+    out_model: str,
+    out_metrics: str,
+) -> dict:
+    from dynamicrubric.train import train_evaluator as run_train
+
+    cfg = _setup(config_yaml)
+    with tempfile.TemporaryDirectory() as work:
+        result = run_train(
+            _merged(rubrics, "rubrics", work),
+            rewards,
+            generator,
+            out_model,
+            cfg.train_evaluator,
+            metrics_uri=out_metrics,
+            round_idx=round_idx,
+        )
+    with tracking.stage_run(cfg, run_name, round_idx, "train_evaluator") as run:
+        if run:
+            run.log_params({"generator": generator})
+            for uri in rubrics:
+                run.log_artifact_dataset(uri, "rubrics", "input")
+            run.log_artifact_dataset(rewards, "rewards", "input")
+            run.log_metrics_table(out_metrics)
+            run.log_model(run_name, f"generator-round-{round_idx}", out_model, {"base": generator})
+    return result
+
+
+def train_policy(
+    config_yaml: str,
+    run_name: str,
+    round_idx: int,
+    rollouts: list[str],
+    scores: str,
+    policy: str,
+    out_model: str,
+    out_metrics: str,
+) -> dict:
+    from dynamicrubric.train import train_policy as run_train
+
+    cfg = _setup(config_yaml)
+    with tempfile.TemporaryDirectory() as work:
+        result = run_train(
+            _merged(rollouts, "rollouts", work),
+            scores,
+            policy,
+            out_model,
+            cfg.train_policy,
+            metrics_uri=out_metrics,
+            round_idx=round_idx,
+        )
+    with tracking.stage_run(cfg, run_name, round_idx, "train_policy") as run:
+        if run:
+            run.log_params({"policy": policy})
+            for uri in rollouts:
+                run.log_artifact_dataset(uri, "rollouts", "input")
+            run.log_artifact_dataset(scores, "scores", "input")
+            run.log_metrics_table(out_metrics)
+            run.log_model(run_name, f"policy-round-{round_idx}", out_model, {"base": policy})
+    return result
+
+
+def evaluate(
+    config_yaml: str,
+    run_name: str,
+    round_idx: int,
+    eval_prompts: str,
+    policy: str,
+    generator: str,
+    verifier: str,
+    previous_policy: str,
+    out_metrics: str,
+    out_plots: str,
+) -> dict:
+    from dynamicrubric.evaluate import run_evaluate
+
+    cfg = _setup(config_yaml)
+    Path(out_plots).mkdir(parents=True, exist_ok=True)
+    result = run_evaluate(
+        eval_prompts,
+        out_metrics,
+        out_plots,
+        cfg,
+        policy=policy,
+        generator=generator,
+        verifier=verifier,
+        previous_policy=previous_policy or None,
+        labelled_uris=tuple(cfg.data.labelled),
+        round_idx=round_idx,
+    )
+    with tracking.stage_run(cfg, run_name, round_idx, "evaluate") as run:
+        if run:
+            params = {
+                "policy": policy,
+                "generator": generator,
+                "verifier": verifier,
+                "previous": previous_policy,
+            }
+            run.log_params(params)
+            run.log_artifact_dataset(eval_prompts, "prompts", "input")
+            run.log_metrics_table(out_metrics)
+            run.log_dir(out_plots, f"plots/round-{round_idx}")
+            for name in (f"policy-round-{round_idx}", f"generator-round-{round_idx}"):
+                model_id = run.find_model(run_name, name)
+                if model_id:  # link the checkpoint to the numbers it earned
+                    run.log_model_metrics(model_id, result)
+    return result

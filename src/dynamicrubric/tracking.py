@@ -1,0 +1,194 @@
+"""MLflow lineage: one parent run per pipeline run, a nested run per round, a nested run per stage.
+
+The pipeline's first task creates the parent run (params: the whole config) and one child run per
+round, tagged with its round number; every stage task then opens its own run nested under its
+round, found by that tag, so parallel shards never race to create a round. Stages log their
+artifacts as MLflow datasets whose source is the artifact URI, their numbers as metrics, and each
+checkpoint as an external LoggedModel pointing at its URI.
+
+Tracking is off when the tracking URI is empty. The URI comes from `MLFLOW_TRACKING_URI` when set
+(on a cluster), else from `pipeline.mlflow_tracking_uri` in the config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+from dynamicrubric.config import Config
+
+log = logging.getLogger(__name__)
+
+ROUND_TAG = "dynrubric.round"
+STAGE_TAG = "dynrubric.stage"
+PIPELINE_TAG = "dynrubric.pipeline_run"
+
+
+def tracking_uri(cfg: Config) -> str:
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or cfg.pipeline.mlflow_tracking_uri
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        # Tasks may run in another working directory: pin a relative database path to an absolute one.
+        uri = "sqlite:///" + str(Path(uri.removeprefix("sqlite:///")).resolve())
+    return uri
+
+
+def _mlflow(cfg: Config):
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri(cfg))
+    return mlflow
+
+
+def mlflow_source(uri: str) -> str:
+    """MLflow rejects minio:// sources and wants absolute local paths."""
+    if uri.startswith("minio://"):
+        return "s3://" + uri.removeprefix("minio://")
+    if "://" not in uri:
+        return str(Path(uri).resolve())
+    return uri
+
+
+def start_pipeline_run(cfg: Config, run_name: str, rounds: int) -> str:
+    """Create the parent run and its round runs; return the parent run id ("" when tracking is off)."""
+    if not tracking_uri(cfg):
+        return ""
+    mlflow = _mlflow(cfg)
+    experiment = mlflow.set_experiment(cfg.pipeline.experiment)
+    with mlflow.start_run(run_name=run_name, experiment_id=experiment.experiment_id) as parent:
+        mlflow.set_tags({PIPELINE_TAG: run_name, STAGE_TAG: "pipeline"})
+        params = {k: ("" if v is None else str(v))[:6000] for k, v in cfg.flat().items()}
+        mlflow.log_params(params)
+        mlflow.log_text(cfg.to_yaml(), "config.yaml")
+        for t in range(1, rounds + 1):
+            with mlflow.start_run(
+                run_name=f"round-{t}",
+                experiment_id=experiment.experiment_id,
+                nested=True,
+                tags={ROUND_TAG: str(t)},
+            ):
+                pass
+        parent_id = parent.info.run_id
+    log.info(
+        "MLflow: parent run %s in experiment %r at %s", parent_id, cfg.pipeline.experiment, tracking_uri(cfg)
+    )
+    return parent_id
+
+
+class StageRun:
+    """Logging helpers bound to one stage's MLflow run."""
+
+    def __init__(self, mlflow, run_id: str):
+        self.mlflow = mlflow
+        self.run_id = run_id
+
+    def log_artifact_dataset(self, uri: str, kind: str, context: str) -> None:
+        """Record an artifact as an MLflow dataset input ('input' or 'output') whose source is its URI."""
+        from dynamicrubric.artifacts import read_frame
+        from dynamicrubric.store import read_bytes
+
+        frame = read_frame(uri, kind)
+        digest = hashlib.sha256(read_bytes(uri)).hexdigest()[:16]
+        with warnings.catch_warnings():  # schema inference warns about int columns on every call
+            warnings.simplefilter("ignore", UserWarning)
+            dataset = self.mlflow.data.from_pandas(frame, source=mlflow_source(uri), name=kind, digest=digest)
+        self.mlflow.log_input(dataset, context=context, tags={"kind": kind, "uri": mlflow_source(uri)})
+
+    def log_params(self, params: dict[str, object]) -> None:
+        """The stage's inputs that are not artifacts (model references, seeds, shard), to rerun it."""
+        self.mlflow.log_params({k: str(v) for k, v in params.items()})
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        numeric = {
+            k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        if numeric:
+            self.mlflow.log_metrics(numeric, step=step)
+
+    def log_metrics_table(self, uri: str) -> None:
+        """Log a `metrics` artifact: per-step rows with their step, the rest at step 0."""
+        from dynamicrubric.artifacts import read_frame
+
+        frame = read_frame(uri, "metrics")
+        for row in frame.itertuples():
+            key = f"{row.variant}/{row.name}" if row.variant else row.name
+            self.mlflow.log_metric(key, row.value, step=int(row.step))
+
+    def log_model(self, run_name: str, name: str, uri: str, params: dict[str, str] | None = None) -> str:
+        """An external LoggedModel pointing at a checkpoint's URI; returns its model id."""
+        model = self.mlflow.create_external_model(
+            name=name,
+            source_run_id=self.run_id,
+            params={k: str(v) for k, v in (params or {}).items()},
+            tags={"uri": mlflow_source(uri), PIPELINE_TAG: run_name},
+        )
+        return model.model_id
+
+    def find_model(self, run_name: str, name: str) -> str | None:
+        """The id of the LoggedModel `name` logged by this pipeline run, if any."""
+        experiment_id = self.mlflow.get_run(self.run_id).info.experiment_id
+        models = self.mlflow.search_logged_models(
+            experiment_ids=[experiment_id],
+            filter_string=f"name = '{name}' AND tags.`{PIPELINE_TAG}` = '{run_name}'",
+            output_format="list",
+        )
+        return models[0].model_id if models else None
+
+    def log_model_metrics(self, model_id: str, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                self.mlflow.log_metric(key, float(value), model_id=model_id)
+
+    def log_dir(self, local_dir: str, artifact_path: str) -> None:
+        self.mlflow.log_artifacts(local_dir, artifact_path)
+
+
+def find_pipeline_run(cfg: Config, run_name: str) -> str | None:
+    """The id of the newest parent run created for `run_name`."""
+    if not run_name or not tracking_uri(cfg):
+        return None
+    mlflow = _mlflow(cfg)
+    experiment = mlflow.get_experiment_by_name(cfg.pipeline.experiment)
+    if experiment is None:
+        return None
+    runs = mlflow.MlflowClient().search_runs(
+        [experiment.experiment_id],
+        filter_string=f"tags.`{PIPELINE_TAG}` = '{run_name}' and tags.`{STAGE_TAG}` = 'pipeline'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    return runs[0].info.run_id if runs else None
+
+
+@contextlib.contextmanager
+def stage_run(cfg: Config, run_name: str, round_idx: int, stage: str) -> Iterator[StageRun | None]:
+    """A run for one stage task, nested under its round's run (or the parent for round 0)."""
+    if not run_name or not tracking_uri(cfg):
+        yield None
+        return
+    parent_run_id = find_pipeline_run(cfg, run_name)
+    if parent_run_id is None:
+        raise RuntimeError(f"MLflow: no parent run for pipeline run {run_name!r} in {tracking_uri(cfg)}")
+    mlflow = _mlflow(cfg)
+    client = mlflow.MlflowClient()
+    experiment_id = client.get_run(parent_run_id).info.experiment_id
+    nest_under = parent_run_id
+    if round_idx > 0:
+        found = client.search_runs(
+            [experiment_id],
+            filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}' and tags.`{ROUND_TAG}` = '{round_idx}'",
+        )
+        if not found:
+            raise RuntimeError(f"MLflow: run {parent_run_id} has no round-{round_idx} child run")
+        nest_under = found[0].info.run_id
+    with mlflow.start_run(
+        run_name=stage,
+        experiment_id=experiment_id,
+        parent_run_id=nest_under,
+        tags={STAGE_TAG: stage, ROUND_TAG: str(round_idx)},
+    ) as run:
+        yield StageRun(mlflow, run.info.run_id)

@@ -1,0 +1,155 @@
+"""The whole pipeline under kfp.local on tiny-random: crash in round 2, resume, lineage in MLflow.
+
+One scenario, because each run costs minutes of CPU: a real `dynrubric run` process is killed while
+round 2 runs; the rerun reuses round 1 from the cache and finishes; a third run executes nothing.
+The MLflow store is then queried for the run tree, every stage's inputs and one model per checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dynamicrubric import store, tracking
+from dynamicrubric.config import load_config
+from dynamicrubric.pipelines.co_evolution import default_run_name
+
+
+def _stage_runs(client, experiment_id: str) -> list:
+    runs = client.search_runs([experiment_id], max_results=5000)
+    return [
+        r for r in runs if tracking.STAGE_TAG in r.data.tags and r.data.tags[tracking.STAGE_TAG] != "pipeline"
+    ]
+
+
+def _run(workdir: Path, config: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "dynamicrubric.cli", "run", "--config", str(config)],
+        cwd=workdir,
+        stdout=open(workdir / f"run-{time.monotonic_ns()}.log", "wb"),  # noqa: SIM115 - closed with the process
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory):
+    """Run the tiny pipeline to completion through a crash and a resume; return what the test needs."""
+    import mlflow
+
+    workdir = tmp_path_factory.mktemp("pipeline")
+    config = workdir / "config.yaml"
+    config.write_text(
+        yaml.safe_dump({"preset": "tiny", "pipeline": {"pipeline_root": str(workdir / "runs")}})
+    )
+    cfg = load_config(config)
+    os.chdir(workdir)  # the tiny preset's sqlite:///mlflow.db is relative to the working directory
+    mlflow.set_tracking_uri(tracking.tracking_uri(cfg))
+    client = mlflow.MlflowClient()
+
+    # 1. start a run and kill it (SIGKILL, the whole process group) once round 2 has begun
+    proc = _run(workdir, config)
+    deadline = time.monotonic() + 600
+    round2_started = False
+    while time.monotonic() < deadline and proc.poll() is None:
+        experiment = (workdir / "mlflow.db").exists() and mlflow.get_experiment_by_name(
+            cfg.pipeline.experiment
+        )
+        if experiment:
+            stages = _stage_runs(client, experiment.experiment_id)
+            if any(r.data.tags.get(tracking.ROUND_TAG) == "2" for r in stages):
+                round2_started = True
+                break
+        time.sleep(1)
+    assert round2_started, f"round 2 never started (exit code {proc.poll()})"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    experiment_id = mlflow.get_experiment_by_name(cfg.pipeline.experiment).experiment_id
+    before_resume = _stage_runs(client, experiment_id)
+
+    # 2. the rerun reuses round 1 and finishes round 2
+    proc = _run(workdir, config)
+    assert proc.wait(timeout=900) == 0, "the resumed run failed"
+    after_resume = _stage_runs(client, experiment_id)
+
+    # 3. everything is cached now: a third run executes no stage
+    proc = _run(workdir, config)
+    assert proc.wait(timeout=300) == 0
+    after_cached = _stage_runs(client, experiment_id)
+    return {
+        "cfg": cfg,
+        "client": client,
+        "experiment_id": experiment_id,
+        "before_resume": before_resume,
+        "after_resume": after_resume,
+        "after_cached": after_cached,
+    }
+
+
+def test_resume_reuses_round_one(pipeline_run):
+    def round_runs(runs, t):
+        return {r.info.run_id for r in runs if r.data.tags.get(tracking.ROUND_TAG) == str(t)}
+
+    before, after = pipeline_run["before_resume"], pipeline_run["after_resume"]
+    assert round_runs(before, 1), "round 1 had finished before the crash"
+    assert round_runs(after, 1) == round_runs(before, 1), "round 1 ran again instead of coming from the cache"
+    assert len(round_runs(after, 2)) > len(round_runs(before, 2))
+
+
+def test_cached_rerun_executes_nothing(pipeline_run):
+    ids = {r.info.run_id for r in pipeline_run["after_cached"]}
+    assert ids == {r.info.run_id for r in pipeline_run["after_resume"]}
+
+
+def test_lineage_run_tree(pipeline_run):
+    client, cfg = pipeline_run["client"], pipeline_run["cfg"]
+    parent_id = tracking.find_pipeline_run(cfg, default_run_name(cfg))
+    parent = client.get_run(parent_id)
+    assert parent.data.params["rollout.k"] == "4"  # the whole config is logged as params
+    rounds = client.search_runs([pipeline_run["experiment_id"]], f"tags.mlflow.parentRunId = '{parent_id}'")
+    by_round = {r.data.tags[tracking.ROUND_TAG]: r for r in rounds if tracking.ROUND_TAG in r.data.tags}
+    assert set(by_round) == {"1", "2"}
+    for t, round_run in by_round.items():
+        stages = client.search_runs(
+            [pipeline_run["experiment_id"]], f"tags.mlflow.parentRunId = '{round_run.info.run_id}'"
+        )
+        names = {s.data.tags[tracking.STAGE_TAG] for s in stages}
+        expected = {"generator-aggregate", "train_evaluator", "policy-aggregate", "train_policy", "evaluate"}
+        expected |= {
+            f"{label}-{stage}-{shard}"
+            for label in ("generator", "policy")
+            for stage in ("rollout", "rubrics", "judge")
+            for shard in (0, 1)
+        }
+        expected |= {"generator-candidates-0", "generator-candidates-1"}
+        assert expected <= names, f"round {t} lacks {expected - names}"
+        for s in stages:  # every stage logged its artifacts as dataset inputs with their URIs
+            inputs = client.get_run(s.info.run_id).inputs.dataset_inputs
+            assert inputs, f"stage {s.data.tags[tracking.STAGE_TAG]} logged no datasets"
+            for d in inputs:  # ... whose source is the artifact itself
+                assert store.exists(json.loads(d.dataset.source)["uri"]), d.dataset.source
+
+
+def test_lineage_models(pipeline_run):
+    import mlflow
+
+    cfg = pipeline_run["cfg"]
+    models = mlflow.search_logged_models(
+        experiment_ids=[pipeline_run["experiment_id"]],
+        filter_string=f"tags.`{tracking.PIPELINE_TAG}` = '{default_run_name(cfg)}'",
+        output_format="list",
+    )
+    names = sorted(m.name for m in models)
+    assert names == ["generator-round-1", "generator-round-2", "policy-round-1", "policy-round-2"]
+    for m in models:
+        assert store.is_complete(m.tags["uri"]), f"{m.name} points at an incomplete checkpoint"
+    policy2 = next(m for m in models if m.name == "policy-round-2")
+    assert any(metric.key == "policy/accuracy" for metric in policy2.metrics or [])

@@ -1,0 +1,344 @@
+"""`dynrubric compile` and `dynrubric submit` against a loopback stand-in of the KFP v2beta1 REST API.
+
+The stand-in (tests/kfp_standin.py) parses what kfp.Client sends with the kfp-pipeline-spec and
+kfp-kubernetes protos, rejecting unknown fields and dangling references, so these tests check the
+package a cluster would receive: its parameters, its GPU, shared-memory and Secret settings, and
+that a bad spec comes back as one line of error rather than a traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import kfp
+import kfp_server_api
+import pytest
+import yaml
+from kfp_standin import KfpStandIn, ParsedPipeline, parse_package
+
+from dynamicrubric import cli
+from dynamicrubric.config import config_from_yaml, load_config
+from dynamicrubric.pipelines.co_evolution import S3_ENV, task_count
+
+REPO = Path(__file__).resolve().parents[1]
+COMMITTED = REPO / "pipelines" / "co_evolution.yaml"
+CLUSTER = {"pipeline": {"pipeline_root": "s3://bucket/runs", "mlflow_tracking_uri": "http://mlflow:5000"}}
+_REGENERATE = (
+    "regenerate it from the repository root with `dynrubric compile --out pipelines/co_evolution.yaml`"
+)
+# kfp.Client warns on every construction that it needs a v2.0.0-beta.2+ server; the stand-in is v2beta1.
+pytestmark = pytest.mark.filterwarnings("ignore:This client only works:FutureWarning")
+GPU_STAGES = ("rollout", "rubrics", "judge", "train_evaluator", "train_policy", "evaluate")
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_settings(monkeypatch):
+    """The tracking URI and kfp.Client both read the environment; the tests' configs must decide."""
+    for key in (
+        "MLFLOW_TRACKING_URI",
+        "KF_PIPELINES_ENDPOINT",
+        "KF_PIPELINES_DEFAULT_EXPERIMENT_NAME",
+        "KF_PIPELINES_OVERRIDE_EXPERIMENT_NAME",
+    ):
+        monkeypatch.delenv(key, raising=False)
+
+
+@pytest.fixture
+def standin():
+    with KfpStandIn() as server:
+        yield server
+
+
+def _config_file(tmp_path: Path, data: dict, name: str = "cluster.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _stage_of(executor: str) -> str:
+    """exec-train-policy-3 → train_policy (KFP numbers repeated components)."""
+    return re.sub(r"-\d+$", "", executor.removeprefix("exec-")).replace("-", "_")
+
+
+def _runtime_task_count(pipeline: ParsedPipeline) -> int:
+    """Tasks a cluster creates: root tasks, plus each ParallelFor body times its item count."""
+    spec = pipeline.spec
+    total = 0
+    for task in spec.root.dag.tasks.values():
+        component = spec.components[task.component_ref.name]
+        if task.HasField("parameter_iterator"):
+            items = yaml.safe_load(task.parameter_iterator.items.raw)
+            total += len(items) * len(component.dag.tasks)
+        else:
+            total += 1
+    return total
+
+
+def _one_error_line(stderr: str) -> str:
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, stderr
+    assert stderr.rstrip().endswith(errors[0]), f"the error is not the last thing printed:\n{stderr}"
+    return errors[0]
+
+
+def test_submit_paper_creates_run_with_cluster_settings(standin, tmp_path, capsys):
+    config = _config_file(tmp_path, CLUSTER)
+    argv = ["submit", "--host", standin.host, "--preset", "paper", "--config", config]
+    assert cli.main([*argv, "--experiment", "dr-paper", "--run-name", "paper-run-1"]) == 0
+
+    # the calls kfp.Client 2.17 makes, and nothing the stand-in does not serve
+    assert standin.requests == [
+        ("GET", "/apis/v2beta1/healthz"),
+        ("GET", "/apis/v2beta1/experiments"),
+        ("POST", "/apis/v2beta1/experiments"),
+        ("POST", "/apis/v2beta1/runs"),
+    ]
+    assert standin.unhandled == [] and standin.rejected == []
+    (run,) = standin.runs
+    assert f"submitted run {run.response['run_id']} to {standin.host}" in capsys.readouterr().out
+
+    experiment = standin.experiment_named("dr-paper")
+    assert experiment is not None and run.body["experiment_id"] == experiment["experiment_id"]
+    assert run.body["display_name"] == "paper-run-1"
+    assert run.body["service_account"] == "dynamicrubric-runner"
+
+    cfg = load_config(config, preset="paper")
+    runtime = run.body["runtime_config"]
+    assert runtime["pipeline_root"] == "s3://bucket/runs"
+    assert runtime["parameters"]["run_name"] == "paper-run-1"
+    assert config_from_yaml(runtime["parameters"]["config_yaml"]) == cfg
+
+    spec = run.pipeline.spec
+    assert spec.pipeline_info.name == "dynamicrubric-dynamic"
+    assert _runtime_task_count(run.pipeline) == task_count(cfg) <= 150
+
+    executors = run.pipeline.deployment.executors
+    assert set(run.pipeline.kubernetes) == set(executors)  # every task gets the Secret, at least
+    gpu_executors = 0
+    for label, executor in executors.items():
+        stage = _stage_of(label)
+        k8s = run.pipeline.kubernetes[label]
+        (secret,) = k8s.secret_as_env
+        assert secret.secret_name == cfg.pipeline.s3_secret
+        assert [(m.secret_key, m.env_var) for m in secret.key_to_env] == [(k, k) for k in S3_ENV]
+        assert executor.container.image == cfg.pipeline.image
+
+        res = cfg.pipeline.resources.get(stage)
+        gpus = res.gpus if res else 0
+        accelerator = executor.container.resources.accelerator
+        shm = [(m.mount_path, m.medium, m.size_limit) for m in k8s.empty_dir_mounts]
+        if gpus:
+            gpu_executors += 1
+            assert stage in GPU_STAGES, label
+            assert (accelerator.resource_type, accelerator.resource_count) == ("nvidia.com/gpu", str(gpus))
+            assert shm == [("/dev/shm", "Memory", cfg.pipeline.shm_size)], label
+        else:
+            assert not executor.container.resources.HasField("accelerator"), label
+            assert shm == [], label
+        if res:
+            assert executor.container.resources.resource_memory_limit == res.memory
+    # per round: rollout, rubrics and judge for the generator and for the policy, 2 trainers, evaluate
+    assert gpu_executors == cfg.pipeline.rounds * 9
+
+
+def test_submit_tiny_twice_reuses_the_experiment(standin, tmp_path, capsys):
+    config = _config_file(tmp_path, CLUSTER)
+    for name in ("tiny-a", "tiny-b"):
+        argv = ["submit", "--host", standin.host, "--preset", "tiny", "--config", config, "--run-name", name]
+        assert cli.main([*argv, "--rounds", "1"]) == 0
+    assert [m for m, p in standin.requests if p.endswith("/experiments")] == ["GET", "POST", "GET"]
+    (experiment,) = standin.experiments.values()
+    assert experiment["display_name"] == "dynamicrubric"  # pipeline.experiment, no --experiment given
+    assert [r.body["display_name"] for r in standin.runs] == ["tiny-a", "tiny-b"]
+
+    run = standin.runs[0]
+    cfg = config_from_yaml(run.body["runtime_config"]["parameters"]["config_yaml"])
+    assert (cfg.preset, cfg.pipeline.rounds) == ("tiny", 1)
+    # tiny declares no resources: no GPUs and no /dev/shm, but the S3 Secret still reaches every task
+    for label, executor in run.pipeline.deployment.executors.items():
+        assert not executor.container.resources.HasField("accelerator"), label
+        assert not run.pipeline.kubernetes[label].empty_dir_mounts, label
+        assert run.pipeline.kubernetes[label].secret_as_env[0].secret_name == "dynamicrubric-s3"
+
+
+def test_submit_as_a_subprocess(standin, tmp_path):
+    config = _config_file(tmp_path, CLUSTER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "KF_PIPELINES_"))}
+    argv = ["submit", "--host", standin.host, "--preset", "tiny", "--config", config, "--experiment", "sub"]
+    done = subprocess.run(
+        [sys.executable, "-m", "dynamicrubric.cli", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    (run,) = standin.runs
+    assert f"submitted run {run.response['run_id']}" in done.stdout
+    assert standin.experiment_named("sub")["experiment_id"] == run.body["experiment_id"]
+    # no --run-name: the config-derived default, the same one the tasks use to find the MLflow run
+    assert re.fullmatch(r"tiny-dynamic-[0-9a-f]{10}", run.body["display_name"])
+    assert run.body["runtime_config"]["parameters"]["run_name"] == run.body["display_name"]
+
+
+def test_server_rejection_is_one_line_cli_error(tmp_path, capsys):
+    """An API server that refuses the spec (here: one that only knows schema 2.0.0) → exit 1, one line."""
+    config = _config_file(tmp_path, CLUSTER)
+    with KfpStandIn(schema_versions=("2.0.0",)) as old_server:
+        rc = cli.main(["submit", "--host", old_server.host, "--preset", "tiny", "--config", config])
+    assert rc == 1
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: {old_server.host}: submitting the pipeline failed: HTTP 400 Bad Request:")
+    assert "pipeline_spec.schemaVersion: '2.1.0' is not one of ['2.0.0']" in line
+    assert old_server.runs == [] and len(old_server.rejected) == 1
+
+
+def test_server_rejection_as_a_subprocess(tmp_path):
+    config = _config_file(tmp_path, CLUSTER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "KF_PIPELINES_"))}
+    with KfpStandIn(schema_versions=("2.0.0",)) as old_server:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dynamicrubric.cli",
+                "submit",
+                "--host",
+                old_server.host,
+                "--config",
+                config,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+    assert done.returncode == 1
+    assert "schemaVersion" in _one_error_line(done.stderr)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            {"pipeline": {"mlflow_tracking_uri": "http://mlflow:5000"}},
+            "error: pipeline.pipeline_root: './runs' is local; a cluster run needs an object-store root",
+        ),
+        (
+            {"pipeline": {"pipeline_root": "s3://bucket/runs"}},
+            "error: pipeline.mlflow_tracking_uri: a sqlite file is not reachable from cluster pods",
+        ),
+    ],
+)
+def test_submit_refuses_local_settings(standin, tmp_path, capsys, override, message):
+    config = _config_file(tmp_path, override)
+    assert cli.main(["submit", "--host", standin.host, "--preset", "tiny", "--config", config]) == 1
+    assert _one_error_line(capsys.readouterr().err).startswith(message)
+    assert standin.requests == []  # refused before contacting the server
+
+
+# ---- the stand-in's own strictness, with hand-modified packages through kfp.Client
+
+
+@pytest.fixture(scope="module")
+def tiny_package(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("pkg") / "pipeline.yaml"
+    assert cli.main(["compile", "--preset", "tiny", "--rounds", "1", "--out", str(out)]) == 0
+    return out
+
+
+def _edit_package(src: Path, dst: Path, edit) -> str:
+    spec, platform = yaml.safe_load_all(src.read_text())
+    edit(spec, platform)
+    dst.write_text(yaml.safe_dump_all([spec, platform], sort_keys=False))
+    return str(dst)
+
+
+def _client(standin: KfpStandIn) -> kfp.Client:
+    return kfp.Client(host=standin.host)
+
+
+def _bad_secret_field(spec: dict, platform: dict) -> None:
+    executor = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-rollout"]
+    executor["secretAsEnvv"] = executor.pop("secretAsEnv")  # a Struct to the client, a typo to the driver
+
+
+def _dangling_component(spec: dict, platform: dict) -> None:
+    spec["root"]["dag"]["tasks"]["prepare-data"]["componentRef"]["name"] = "comp-prepare-dataa"
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_bad_secret_field, 'no field named "secretAsEnvv"'),
+        (_dangling_component, "task root/prepare-data refers to unknown component 'comp-prepare-dataa'"),
+    ],
+)
+def test_standin_rejects_hand_modified_run(standin, tiny_package, tmp_path, edit, message):
+    package = _edit_package(tiny_package, tmp_path / "bad.yaml", edit)
+    with pytest.raises(kfp_server_api.ApiException) as err:
+        _client(standin).create_run_from_pipeline_package(package, experiment_name="bad", run_name="bad")
+    assert err.value.status == 400 and message in json.loads(err.value.body)["message"]
+    assert standin.runs == [] and message in standin.rejected[0][1]
+
+
+def test_standin_upload_parses_strictly(standin, tiny_package, tmp_path):
+    client = _client(standin)
+    pipeline = client.upload_pipeline(str(tiny_package), pipeline_name="dynamicrubric-tiny")
+    (upload,) = standin.uploads
+    assert upload.response["pipeline_id"] == pipeline.pipeline_id and upload.filename == "pipeline.yaml"
+    assert upload.pipeline.spec.pipeline_info.name == "dynamicrubric-dynamic"
+    assert set(upload.pipeline.kubernetes) == set(upload.pipeline.deployment.executors)
+
+    # With a name given, kfp.Client uploads the file unparsed: an unknown field reaches the server.
+    def unknown_field(spec: dict, platform: dict) -> None:
+        spec["pipelineInfoo"] = spec["pipelineInfo"]
+
+    bad = _edit_package(tiny_package, tmp_path / "bad.yaml", unknown_field)
+    with pytest.raises(kfp_server_api.ApiException) as err:
+        client.upload_pipeline(bad, pipeline_name="dynamicrubric-bad")
+    assert (
+        err.value.status == 400 and 'no field named "pipelineInfoo"' in json.loads(err.value.body)["message"]
+    )
+    assert len(standin.uploads) == 1 and standin.unhandled == []
+
+
+# ---- compile
+
+
+def test_committed_package_is_up_to_date(tmp_path):
+    out = tmp_path / "co_evolution.yaml"
+    assert cli.main(["compile", "--out", str(out)]) == 0  # the default config: preset local, no file
+    fresh = out.read_text()
+    assert COMMITTED.exists(), "pipelines/co_evolution.yaml is missing; " + _REGENERATE
+    committed = COMMITTED.read_text()
+    if fresh != committed:
+        diff = "".join(
+            list(
+                difflib.unified_diff(committed.splitlines(True), fresh.splitlines(True), "committed", "fresh")
+            )[:40]
+        )
+        pytest.fail(f"pipelines/co_evolution.yaml is out of date; {_REGENERATE}\n{diff}")
+
+
+def test_compiled_package_loads_and_matches_config(tmp_path):
+    """The default package parses as the server would, and its default config is the default config."""
+    out = tmp_path / "p.yaml"
+    assert cli.main(["compile", "--out", str(out), "--rounds", "1"]) == 0
+    pipeline = parse_package(out.read_text())
+    defaults = pipeline.spec.root.input_definitions.parameters
+    cfg = load_config(overrides={"pipeline": {"rounds": 1}})
+    assert config_from_yaml(defaults["config_yaml"].default_value.string_value) == cfg
+    assert _runtime_task_count(pipeline) == task_count(cfg)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "local", "paper"])
+def test_presets_fit_a_cluster(preset):
+    assert task_count(load_config(preset=preset)) <= 150
