@@ -64,6 +64,25 @@ def _stages(base: str, join) -> dict[str, str]:
         uris["judgments"],
     )
     _run("stage", "judge", *common, "--rollouts", uris["rollouts"], "--out", uris["pw"])
+    for variant, judgments, rubrics in [
+        ("agg", "judgments", ["--rubrics", uris["rubrics"]]),
+        ("pwagg", "pw", []),
+    ]:
+        outs = {
+            k: join(base, f"{variant}-{k}.parquet") for k in ["scores", "rewards", "diagnostics", "metrics"]
+        }
+        _run(
+            "stage",
+            "aggregate",
+            *common,
+            "--judgments",
+            uris[judgments],
+            "--rollouts",
+            uris["rollouts"],
+            *rubrics,
+            *[a for k, u in outs.items() for a in (f"--out-{k}", u)],
+        )
+        uris.update({f"{variant}-{k}": u for k, u in outs.items()})
     return uris
 
 
@@ -78,6 +97,11 @@ def _check_outputs(uris: dict[str, str]) -> None:
     pointwise = read_frame(uris["pw"], "judgments")
     assert len(pointwise) == 12 and set(pointwise["item_idx"]) == {0} and set(pointwise["weight"]) == {1}
     assert ((pointwise["p_yes"] >= 0.5) == pointwise["verdict"]).all()
+    for variant in ("agg", "pwagg"):  # every response gets a score, in both variants
+        scores = read_frame(uris[f"{variant}-scores"], "scores")
+        assert len(scores) == (len(rubrics) * 4 if variant == "agg" else 12)
+    pw_scores = read_frame(uris["pwagg-scores"], "scores").set_index("sample_idx")
+    assert set(pw_scores["score"]) <= {0.0, 1.0}  # pointwise, hard verdicts: the verdict itself
     assert cli.main(["validate", *uris.values()]) == 0
 
 
@@ -209,3 +233,36 @@ def test_rubrics_for_missing_responses_is_an_error(tmp_path, tiny_engine):
             rubrics_uri=str(tmp_path / "rub.parquet"),
             engine=tiny_engine,
         )
+
+
+def test_evaluate_from_the_cli(tmp_path):
+    from dynamicrubric.tasks import load_prompts
+
+    prompts = str(tmp_path / "eval.parquet")
+    write_artifact(prompts, "prompts", load_prompts(["reasoning_gym:basic_arithmetic"], 2, "eval", 0))
+    out, plots = str(tmp_path / "metrics.parquet"), tmp_path / "plots"
+    _run(
+        "stage",
+        "evaluate",
+        "--preset",
+        "tiny",
+        "--prompts",
+        prompts,
+        "--policy",
+        "tiny-random",
+        "--previous-policy",
+        "tiny-random",
+        "--out",
+        out,
+        "--plots",
+        str(plots),
+        "--round",
+        "1",
+    )
+    metrics = read_frame(out, "metrics")
+    assert set(metrics["round"]) == {1} and set(metrics["stage"]) == {"evaluate"}
+    policy = metrics[metrics["variant"] == "policy"].set_index("name")["value"]
+    assert 0.0 <= policy["accuracy"] <= 1.0
+    assert policy["win_rate"] == 0.5  # the same weights on both sides: every comparison ties
+    pngs = sorted(plots.glob("*.png"))
+    assert pngs and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
