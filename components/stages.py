@@ -180,9 +180,7 @@ def aggregate(
         metrics.path,
         prompts.path if prompts is not None else "",
     )
-    for name, value in overall.items():
-        if isinstance(value, int | float) and value == value:  # KFP metrics must be finite numbers
-            summary.log_metric(name, float(value))
+    steps.write_kfp_metrics(summary, overall)
     return float(overall.get("tie_rate", 0.0))
 
 
@@ -269,9 +267,7 @@ def evaluate(
         metrics.path,
         plots.path,
     )
-    for name, value in result.items():
-        if isinstance(value, int | float) and value == value:
-            summary.log_metric(name, float(value))
+    steps.write_kfp_metrics(summary, result)
 
 
 STAGES = [

@@ -34,6 +34,18 @@ def _merged(paths: list[str], kind: str, workdir: str) -> str:
     return out
 
 
+def write_kfp_metrics(summary, values: dict) -> None:
+    """Numbers for the KFP UI, plus a file at the artifact's path: kfp.local treats a cached output whose
+    file is missing as stale, and a Metrics artifact has none of its own, which would rerun the task."""
+    import json
+
+    finite = {k: float(v) for k, v in values.items() if isinstance(v, int | float) and v == v}
+    for name, value in finite.items():
+        summary.log_metric(name, value)
+    Path(summary.path).parent.mkdir(parents=True, exist_ok=True)
+    Path(summary.path).write_text(json.dumps(finite, sort_keys=True))
+
+
 def round_seed(cfg: Config, round_idx: int, purpose: int) -> int:
     """Distinct, reproducible seeds per round and use (0: generator samples, 1: policy samples, ...)."""
     return cfg.seed * 1_000_003 + round_idx * 101 + purpose
