@@ -284,8 +284,17 @@ STAGES = [
 ]
 
 
-def build(image: str) -> SimpleNamespace:
-    """Every stage as a KFP component running in `image`."""
+# Stages that load no model run in the smaller CPU image.
+CPU_STAGES = {start_tracking, prepare_data, candidates, aggregate}
+
+
+def build(image: str, cpu_image: str) -> SimpleNamespace:
+    """Every stage as a KFP component: model stages in `image`, the others in `cpu_image`."""
     return SimpleNamespace(
-        **{f.__name__: dsl.component(f, base_image=image, install_kfp_package=False) for f in STAGES}
+        **{
+            f.__name__: dsl.component(
+                f, base_image=cpu_image if f in CPU_STAGES else image, install_kfp_package=False
+            )
+            for f in STAGES
+        }
     )

@@ -81,7 +81,7 @@ def _configure(cfg: Config, stage: str) -> Callable[[dsl.PipelineTask, str], dsl
         for key, value in p.node_selector.items():
             kubernetes.add_node_selector(task, key, value)
         for tol in p.tolerations:
-            kubernetes.add_toleration(task, **tol)
+            kubernetes.add_toleration(task, **tol.model_dump(exclude_none=True))
         return task
 
     return apply
@@ -89,7 +89,7 @@ def _configure(cfg: Config, stage: str) -> Callable[[dsl.PipelineTask, str], dsl
 
 def build_pipeline(cfg: Config):
     """The pipeline function for `cfg` (its rounds, shards, variant and image are fixed here)."""
-    c = stages.build(cfg.pipeline.image)
+    c = stages.build(cfg.pipeline.image, cfg.pipeline.cpu_image)
     rounds, shards = cfg.pipeline.rounds, cfg.pipeline.shards
     variant = pipeline_variant(cfg)
     m = cfg.models

@@ -112,6 +112,16 @@ class EvaluateConfig(Section):
     win_rate: bool = True
 
 
+class Toleration(Section):
+    """A Kubernetes toleration (kfp.kubernetes.add_toleration's arguments)."""
+
+    key: str | None = None
+    operator: Literal["Equal", "Exists"] | None = None
+    value: str | None = None
+    effect: Literal["NoExecute", "NoSchedule", "PreferNoSchedule"] | None = None
+    toleration_seconds: int | None = None
+
+
 class StageResources(Section):
     gpus: int = Field(0, ge=0)
     cpu: str = "1"
@@ -122,7 +132,7 @@ class PipelineConfig(Section):
     rounds: int = Field(2, ge=1, le=20)
     shards: int = Field(2, ge=1)  # rollout/rubrics/judge fan out over prompt shards
     image: str = "ghcr.io/dynamicrubric/dynamicrubric-gpu:0.1.0"
-    cpu_image: str = "ghcr.io/dynamicrubric/dynamicrubric-cpu:0.1.0"
+    cpu_image: str = "ghcr.io/dynamicrubric/dynamicrubric-cpu:0.1.0"  # stages that load no model
     pipeline_root: str = "./runs"
     mlflow_tracking_uri: str = "sqlite:///mlflow.db"
     experiment: str = "dynamicrubric"
@@ -130,7 +140,7 @@ class PipelineConfig(Section):
     early_stop_min_gap: float = Field(0.0, ge=0)  # stop when the policy's Δgap falls below this (0: never)
     accelerator_type: str = "nvidia.com/gpu"
     node_selector: dict[str, str] = {}
-    tolerations: list[dict[str, str]] = []
+    tolerations: list[Toleration] = []
     s3_secret: str = "dynamicrubric-s3"  # Kubernetes Secret holding AWS_* keys, mounted as env
     service_account: str = "dynamicrubric-runner"  # Kubernetes ServiceAccount the run's pods use
     shm_size: str = "16Gi"

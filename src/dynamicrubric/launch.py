@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 
 from dynamicrubric import tracking
@@ -67,7 +68,9 @@ def submit(cfg: Config, host: str, experiment: str | None, run_name: str | None,
     compile_to(cfg, package)
     name = run_name or default_run_name(cfg)
     try:
-        client = kfp.Client(host=host)
+        with warnings.catch_warnings():  # kfp.Client warns about its own future defaults on every call
+            warnings.simplefilter("ignore", FutureWarning)
+            client = kfp.Client(host=host)
         run = client.create_run_from_pipeline_package(
             package,
             arguments={"config_yaml": cfg.to_yaml(), "run_name": name},
