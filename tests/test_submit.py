@@ -128,7 +128,8 @@ def test_submit_paper_creates_run_with_cluster_settings(standin, tmp_path, capsy
         (secret,) = k8s.secret_as_env
         assert secret.secret_name == cfg.pipeline.s3_secret
         assert [(m.secret_key, m.env_var) for m in secret.key_to_env] == [(k, k) for k in S3_ENV]
-        assert executor.container.image == cfg.pipeline.image
+        light = stage in {"start_tracking", "prepare_data", "candidates", "aggregate"}  # no model: CPU image
+        assert executor.container.image == (cfg.pipeline.cpu_image if light else cfg.pipeline.image)
 
         res = cfg.pipeline.resources.get(stage)
         gpus = res.gpus if res else 0
