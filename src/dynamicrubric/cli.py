@@ -97,11 +97,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"dynrubric run: preset {cfg.preset}, {cfg.pipeline.rounds} round(s), pipeline root {cfg.pipeline.pipeline_root}"
     )
     parent = run_local(cfg)
-    print()
-    print(format_table(round_table(cfg, parent)))
+    # kfp.local leaves sys.stdout wrapped in its indenting task logger; the summary goes to the terminal.
+    out = sys.__stdout__
+    print("\n" + format_table(round_table(cfg, parent)), file=out)
     uri = tracking_uri(cfg)
     if uri:
-        print(f"\nMLflow parent run {parent}. Open the UI with:\n  mlflow ui --backend-store-uri {uri}")
+        print(
+            f"\nMLflow parent run {parent}. Open the UI with:\n  mlflow ui --backend-store-uri {uri}",
+            file=out,
+        )
     return 0
 
 
