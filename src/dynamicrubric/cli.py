@@ -97,15 +97,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"dynrubric run: preset {cfg.preset}, {cfg.pipeline.rounds} round(s), pipeline root {cfg.pipeline.pipeline_root}"
     )
     parent = run_local(cfg)
-    # kfp.local leaves sys.stdout wrapped in its indenting task logger; the summary goes to the terminal.
-    out = sys.__stdout__
-    print("\n" + format_table(round_table(cfg, parent)), file=out)
+    # Written directly: kfp.local's parallel workers can leave builtins.print swapped for an indenting one.
+    summary = "\n" + format_table(round_table(cfg, parent)) + "\n"
     uri = tracking_uri(cfg)
     if uri:
-        print(
-            f"\nMLflow parent run {parent}. Open the UI with:\n  mlflow ui --backend-store-uri {uri}",
-            file=out,
-        )
+        summary += f"\nMLflow parent run {parent}. Open the UI with:\n  mlflow ui --backend-store-uri {uri}\n"
+    sys.stdout.write(summary)
     return 0
 
 
