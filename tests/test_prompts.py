@@ -19,6 +19,13 @@ def test_json_rubric():
     assert parsed.items == [{"text": "Answer is 5", "weight": 5}, {"text": "Shows work", "weight": 3}]
 
 
+def test_json_list_cut_off_by_the_token_limit():
+    text = 'Here: [{"criterion": "Answer is 56", "weight": 5}, {"criterion": "Explains why", "weight": 2}, {"crit'
+    parsed = parse_rubric(text, max_items=8)
+    assert parsed.status == "json"
+    assert parsed.items == [{"text": "Answer is 56", "weight": 5}, {"text": "Explains why", "weight": 2}]
+
+
 def test_weights_clamped_duplicates_dropped_count_capped():
     text = '[{"criterion": "A big one", "weight": 9}, {"criterion": "a big one.", "weight": 1}, ' + ", ".join(
         f'{{"criterion": "item {i}", "weight": -3}}' for i in range(10)

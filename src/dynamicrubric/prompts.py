@@ -23,8 +23,9 @@ Write at most {m} yes/no criteria that tell these particular responses apart: ea
 be met by some of the responses and failed by others. Leave out criteria that every response meets \
 and criteria that every response fails. Give each criterion a weight from 1 (minor) to 5 (essential).
 
-Reply with a JSON list only, for example:
-[{{"criterion": "The final answer is 12.", "weight": 5}}, {{"criterion": "Shows the steps.", "weight": 2}}]
+Reply with a numbered list only, one criterion per line, its weight in brackets first, for example:
+1. [5] The final answer is 12.
+2. [2] The response shows the steps.
 
 Task:
 {task}
@@ -37,8 +38,9 @@ You are writing a grading rubric for the task below, before seeing any response.
 Write at most {m} yes/no criteria that a good response to this task must meet. Give each criterion \
 a weight from 1 (minor) to 5 (essential).
 
-Reply with a JSON list only, for example:
-[{{"criterion": "The final answer is 12.", "weight": 5}}, {{"criterion": "Shows the steps.", "weight": 2}}]
+Reply with a numbered list only, one criterion per line, its weight in brackets first, for example:
+1. [5] The final answer is 12.
+2. [2] The response shows the steps.
 
 Task:
 {task}"""
@@ -134,15 +136,26 @@ def _clean_text(text: object) -> str:
     return " ".join(str(text).split()).strip(" \"'`")
 
 
+_JSON_OBJECT = re.compile(r"\{[^{}]*\}")
+
+
 def _from_json(text: str) -> list[dict] | None:
     start, end = text.find("["), text.rfind("]")
-    if start < 0 or end <= start:
-        return None
-    try:
-        data = json.loads(text[start : end + 1])
-    except (json.JSONDecodeError, RecursionError):
-        return None
+    data = None
+    if 0 <= start < end:
+        try:
+            data = json.loads(text[start : end + 1])
+        except (json.JSONDecodeError, RecursionError):
+            data = None
     if not isinstance(data, list):
+        # A list cut off by the token limit, or wrapped in prose: keep every whole {...} object in it.
+        data = []
+        for match in _JSON_OBJECT.finditer(text):
+            try:
+                data.append(json.loads(match.group(0)))
+            except json.JSONDecodeError:
+                continue
+    if not data:
         return None
     items = []
     for entry in data:
