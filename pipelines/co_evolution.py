@@ -18,6 +18,7 @@ Each round adds 7·shards + 5 tasks to a dynamic run (4·shards + 3 to a baselin
 about 150 tasks, the size a cluster's Argo workflow object allows (etcd's 1.5 MiB cap).
 """
 
+import contextlib
 import hashlib
 import sys
 from collections.abc import Callable
@@ -108,6 +109,7 @@ def build_pipeline(cfg: Config):
         data = _configure(cfg, "prepare_data")(c.prepare_data(**common), "prepare-data").after(tracking)
         policy_ckpt: dict = {}  # {} = the base policy; else {"policy_ckpt": the last round's checkpoint}
         generator_ckpt: dict = {}
+        conditions = contextlib.ExitStack()  # each round after an early-stop check runs inside its dsl.If
         for t in range(1, rounds + 1):
             if variant == "dynamic":
                 # ---- generator stage: G_t learns from P_{t-1}'s samples
@@ -274,6 +276,15 @@ def build_pipeline(cfg: Config):
                 f"r{t}-evaluate",
             )
             policy_ckpt = {"policy_ckpt": tp.outputs["policy"]}
+            if cfg.pipeline.early_stop_tie_rate is not None and t < rounds:
+                # the aggregate task returns the policy-stage tie rate
+                conditions.enter_context(
+                    dsl.If(
+                        agg.outputs["Output"] < cfg.pipeline.early_stop_tie_rate,
+                        name=f"continue-after-round-{t}",
+                    )
+                )
+        conditions.close()
 
     return co_evolution
 

@@ -158,3 +158,33 @@ def test_lineage_models(pipeline_run):
         assert store.is_complete(m.tags["uri"]), f"{m.name} points at an incomplete checkpoint"
     policy2 = next(m for m in models if m.name == "policy-round-2")
     assert any(metric.key == "policy/accuracy" for metric in policy2.metrics or [])
+
+
+def test_early_stop_skips_later_rounds(tmp_path, monkeypatch):
+    """With the policy's scores all tied in round 1 (tiny-random writes no usable rubric), a run with
+    early_stop_tie_rate stops there: round 2's tasks never run."""
+    import mlflow
+
+    from dynamicrubric.launch import run_local
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(
+        preset="tiny",
+        overrides={
+            "pipeline": {
+                "rounds": 2,
+                "shards": 1,
+                "early_stop_tie_rate": 0.99,
+                "pipeline_root": str(tmp_path / "runs"),
+                "mlflow_tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+            }
+        },
+    )
+    parent = run_local(cfg)
+    mlflow.set_tracking_uri(tracking.tracking_uri(cfg))
+    client = mlflow.MlflowClient()
+    stages = _stage_runs(client, client.get_run(parent).info.experiment_id)
+    aggregate = next(s for s in stages if s.data.tags[tracking.STAGE_TAG] == "policy-aggregate")
+    assert aggregate.data.metrics["tie_rate"] >= 0.99  # the condition that stops the run
+    rounds = {s.data.tags[tracking.ROUND_TAG] for s in stages}
+    assert rounds == {"0", "1"}, f"stages ran in rounds {sorted(rounds)}"

@@ -137,7 +137,9 @@ class PipelineConfig(Section):
     mlflow_tracking_uri: str = "sqlite:///mlflow.db"
     experiment: str = "dynamicrubric"
     caching: bool = True
-    early_stop_min_gap: float = Field(0.0, ge=0)  # stop when the policy's Δgap falls below this (0: never)
+    # Stop before the next round once the policy's scores tie this often (the signal has collapsed);
+    # None compiles no condition.
+    early_stop_tie_rate: float | None = Field(None, gt=0, le=1)
     accelerator_type: str = "nvidia.com/gpu"
     node_selector: dict[str, str] = {}
     tolerations: list[Toleration] = []
