@@ -188,3 +188,20 @@ def test_early_stop_skips_later_rounds(tmp_path, monkeypatch):
     assert aggregate.data.metrics["tie_rate"] >= 0.99  # the condition that stops the run
     rounds = {s.data.tags[tracking.ROUND_TAG] for s in stages}
     assert rounds == {"0", "1"}, f"stages ran in rounds {sorted(rounds)}"
+
+
+@pytest.mark.slow
+def test_default_run_completes(tmp_path):
+    """The README's main command on the embedded defaults: SmolLM2-135M in every role, 2 rounds."""
+    result = subprocess.run(
+        [sys.executable, "-m", "dynamicrubric.cli", "run"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=3000,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = result.stdout[result.stdout.index("round  mean_gap") :].splitlines()
+    assert [line.split()[0] for line in table[1:3]] == ["1", "2"]
+    assert "mlflow ui --backend-store-uri sqlite:///" in result.stdout
+    assert (tmp_path / "mlflow.db").exists() and any((tmp_path / "runs").iterdir())

@@ -1,6 +1,6 @@
 """What each pipeline task does, as plain functions over local paths and strings.
 
-A KFP component (components/stages.py) only parses nothing and calls one of these; here the stage
+A KFP component (components/stages.py) does nothing but call one of these; here the stage
 is run, shards are merged, and lineage goes to MLflow. Keeping this in the library means every
 task can be run and tested without KFP, and `dynrubric stage NAME` reruns the same code.
 """
@@ -16,8 +16,6 @@ import pandas as pd
 from dynamicrubric import tracking
 from dynamicrubric.artifacts import empty_table, read_frame, read_frames, write_artifact
 from dynamicrubric.config import Config, config_from_yaml
-
-log = logging.getLogger(__name__)
 
 
 def _setup(config_yaml: str) -> Config:
