@@ -108,10 +108,7 @@ def round_table(cfg: Config, parent_run_id: str) -> list[dict]:
     """Per-round headline numbers from MLflow: the policy's signal diagnostics and the eval results."""
     if not parent_run_id:
         return []
-    import mlflow
-
-    mlflow.set_tracking_uri(tracking.tracking_uri(cfg))
-    client = mlflow.MlflowClient()
+    client = tracking._mlflow(cfg).MlflowClient()
     parent = client.get_run(parent_run_id)
     experiment = parent.info.experiment_id
     rounds = client.search_runs([experiment], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'")

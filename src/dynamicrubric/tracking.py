@@ -40,7 +40,14 @@ def tracking_uri(cfg: Config) -> str:
 def _mlflow(cfg: Config):
     import mlflow
 
+    user_value = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(tracking_uri(cfg))
+    # set_tracking_uri also exports MLFLOW_TRACKING_URI, which tracking_uri() reads first: put back the
+    # user's value so that a later config in this process (or a child process) is not pinned to this one.
+    if user_value is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = user_value
     return mlflow
 
 
