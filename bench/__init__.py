@@ -12,19 +12,23 @@ from typing import Any
 RESULTS = Path(__file__).parent / "results"
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_info() -> dict[str, Any]:
     """CPU model, cores, threads, accelerator and library versions: numbers mean little without them."""
     import torch
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     info: dict[str, Any] = {
         "cpu": cpu,
         "cores": os.cpu_count(),

@@ -31,6 +31,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from bench import cpu_model
 from dynamicrubric.aggregate import aggregate
 from dynamicrubric.artifacts import RUBRIC_ITEM
 
@@ -225,16 +226,9 @@ def subsample(data: dict[str, pd.DataFrame], fraction: float, seed: int = SEED) 
 
 
 def machine() -> dict[str, object]:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    # Not bench.machine_info(): that one imports torch, which aggregation does not need.
     return {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "python": platform.python_version(),
         "numpy": np.__version__,

@@ -136,6 +136,17 @@ def test_rollouts_are_reproducible(tmp_path):
     assert (tmp_path / "a.parquet").read_bytes() == (tmp_path / "b.parquet").read_bytes()
 
 
+# A hand-written rubric row; tests add prompt_id, rubric_idx and items.
+HAND_RUBRIC = {
+    "variant": "dynamic",
+    "generator": "hand",
+    "generator_prompt": "",
+    "completion": "",
+    "parse_status": "json",
+    "finish_reason": "stop",
+}
+
+
 def _rollouts() -> list[dict]:
     responses = {"p0": ["2", "It is 2.", "3", "two"], "p1": ["4", "4", "5", "four"]}
     return [
@@ -158,21 +169,13 @@ def test_judge_covers_every_item_and_response(tmp_path, tiny_engine):
     cfg = load_config(preset="tiny")
     write_artifact(str(tmp_path / "r.parquet"), "rollouts", _rollouts())
     items = [{"text": "The answer is a digit", "weight": 5}, {"text": "It is short", "weight": 2}]
-    rubric = {
-        "variant": "dynamic",
-        "generator": "hand",
-        "generator_prompt": "",
-        "completion": "",
-        "parse_status": "json",
-        "finish_reason": "stop",
-    }
     write_artifact(
         str(tmp_path / "rub.parquet"),
         "rubrics",
         [
-            {**rubric, "prompt_id": "p0", "rubric_idx": 0, "items": items},
-            {**rubric, "prompt_id": "p0", "rubric_idx": 1, "items": items[:1]},
-            {**rubric, "prompt_id": "p1", "rubric_idx": 0, "items": [], "parse_status": "empty"},
+            {**HAND_RUBRIC, "prompt_id": "p0", "rubric_idx": 0, "items": items},
+            {**HAND_RUBRIC, "prompt_id": "p0", "rubric_idx": 1, "items": items[:1]},
+            {**HAND_RUBRIC, "prompt_id": "p1", "rubric_idx": 0, "items": [], "parse_status": "empty"},
         ],
     )
     counts = run_judge(
@@ -212,18 +215,10 @@ def test_variants_selected_by_config(tmp_path, tiny_engine):
 def test_rubrics_for_missing_responses_is_an_error(tmp_path, tiny_engine):
     cfg = load_config(preset="tiny")
     write_artifact(str(tmp_path / "r.parquet"), "rollouts", _rollouts()[:4])
-    rubric = {
-        "variant": "dynamic",
-        "generator": "h",
-        "generator_prompt": "",
-        "completion": "",
-        "parse_status": "json",
-        "finish_reason": "stop",
-    }
     write_artifact(
         str(tmp_path / "rub.parquet"),
         "rubrics",
-        [{**rubric, "prompt_id": "p9", "rubric_idx": 0, "items": [{"text": "abc", "weight": 1}]}],
+        [{**HAND_RUBRIC, "prompt_id": "p9", "rubric_idx": 0, "items": [{"text": "abc", "weight": 1}]}],
     )
     with pytest.raises(ValueError, match=r"prompt\(s\) \['p9'\] have no responses"):
         run_judge(
