@@ -193,6 +193,7 @@ def test_early_stop_skips_later_rounds(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3000)  # ~12 min on an idle 2-core VM, over 15 on a busy CI runner
 def test_default_run_completes(tmp_path):
     """The README's main command on the embedded defaults: SmolLM2-135M in every role, 2 rounds."""
     result = subprocess.run(
