@@ -16,6 +16,7 @@ from dynamicrubric.artifacts import read_artifact, write_artifact
 from dynamicrubric.config import load_config
 from dynamicrubric.evaluate import (
     PLOT_NAMES,
+    _accuracy_by_origin,
     evaluator_metrics,
     listwise_accuracy,
     load_labelled,
@@ -234,6 +235,22 @@ def _write_labelled(tmp_path) -> list[str]:
     return [str(pairs), str(nectar), anchors]
 
 
+def test_accuracy_by_origin_splits_files_from_outcomes():
+    lists = pd.DataFrame(
+        {
+            "list_id": ["file0:a", "file0:a", "file1:b", "file1:b", "outcomes:p", "outcomes:p"],
+            "sample_idx": [0, 1, 0, 1, 0, 1],
+            "rank": [1, 2, 1, 2, 1, 2],
+            "score": [0.9, 0.1, 0.5, 0.5, 0.0, 1.0],  # right, tie, wrong
+        }
+    )
+    assert _accuracy_by_origin(lists) == {
+        "pairwise_accuracy_labelled": 0.75,
+        "pairwise_accuracy_outcomes": 0.0,
+    }
+    assert math.isnan(_accuracy_by_origin(lists.iloc[:4])["pairwise_accuracy_outcomes"])
+
+
 def test_load_labelled_detects_formats(tmp_path):
     pairs, nectar, anchors = _write_labelled(tmp_path)
     p = load_labelled(pairs)
@@ -303,6 +320,7 @@ def test_run_evaluate_end_to_end(tmp_path):
         assert result[f"{variant}/labelled_pairs"] >= 2 + 1 + 2
         for name in ["pairwise_accuracy", "listwise_accuracy", "ndcg", "tie_rate", "uniformity_rate"]:
             assert 0.0 <= result[f"{variant}/{name}"] <= 1.0
+        assert 0.0 <= result[f"{variant}/pairwise_accuracy_labelled"] <= 1.0
     assert sorted(p.name for p in plots.glob("*.png")) == sorted(PLOT_NAMES)
     assert all(_is_png(plots / name) for name in PLOT_NAMES)
 

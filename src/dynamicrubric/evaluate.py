@@ -430,6 +430,19 @@ def _labelled_lists(
     return kept, counts
 
 
+def _accuracy_by_origin(lists: pd.DataFrame) -> dict[str, float]:
+    """Pairwise accuracy on the user's files alone and on the policy's outcome lists alone.
+
+    The files are a fixed held-out set, comparable from round to round; the outcome lists are the
+    current policy's own samples and change with it. NaN (later dropped) when one side has no pair.
+    """
+    from_files = lists["list_id"].str.startswith("file")
+    return {
+        "pairwise_accuracy_labelled": pairwise_accuracy(lists[from_files]),
+        "pairwise_accuracy_outcomes": pairwise_accuracy(lists[~from_files]),
+    }
+
+
 def _evaluator_scores(
     rollouts: pd.DataFrame,
     variant: str,
@@ -563,6 +576,8 @@ def run_evaluate(
         for variant in variants:
             values = evaluator_metrics(evaluated[variant]) if variant in evaluated else {}
             values.update(counts)
+            if variant in evaluated and labelled_uris:
+                values.update(_accuracy_by_origin(evaluated[variant]))
             rows += [(variant, name, value) for name, value in values.items()]
 
         # (3) Win rate over the previous policy, judged by a dynamic rubric over the pair.
