@@ -137,6 +137,8 @@ def test_lineage_run_tree(pipeline_run):
         expected |= {"generator-candidates-0", "generator-candidates-1"}
         assert expected <= names, f"round {t} lacks {expected - names}"
         for s in stages:  # every stage logged its artifacts as dataset inputs with their URIs
+            # ... and the seconds its work took, which its run's own times do not cover
+            assert s.data.metrics["stage_wall_s"] > (s.info.end_time - s.info.start_time) / 1000 > 0
             inputs = client.get_run(s.info.run_id).inputs.dataset_inputs
             assert inputs, f"stage {s.data.tags[tracking.STAGE_TAG]} logged no datasets"
             for d in inputs:  # ... whose source is the artifact itself
@@ -219,6 +221,9 @@ def test_tracking_leaves_the_environment_alone(tmp_path, monkeypatch):
     b = load_config(
         preset="tiny", overrides={"pipeline": {"mlflow_tracking_uri": f"sqlite:///{tmp_path}/b.db"}}
     )
+    monkeypatch.chdir(tmp_path.parent)
     tracking.start_pipeline_run(a, "run-a", rounds=1)
     assert "MLFLOW_TRACKING_URI" not in os.environ
+    # a local store keeps its artifacts beside its database, wherever the run started
+    assert (tmp_path / "mlruns").is_dir() and not (tmp_path.parent / "mlruns").exists()
     assert tracking.tracking_uri(b).endswith("b.db")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -61,6 +62,7 @@ def prepare_data(
     """Training and held-out prompts, and the user's anchor lists (Nectar format) for R_anchor."""
     from dynamicrubric import tasks
 
+    started = time.perf_counter()
     cfg = _setup(config_yaml)
     d = cfg.data
     write_artifact(train_prompts, "prompts", tasks.load_prompts(d.sources, d.num_prompts, "train", d.seed))
@@ -69,7 +71,7 @@ def prepare_data(
     )
     lists = [tasks.load_nectar(uri) for uri in d.anchors]
     write_artifact(anchor_lists, "anchors", pd.concat(lists) if lists else empty_table("anchors"))
-    with tracking.stage_run(cfg, run_name, 0, "prepare_data") as run:
+    with tracking.stage_run(cfg, run_name, 0, "prepare_data", started=started) as run:
         if run:
             for uri, kind in [
                 (train_prompts, "prompts"),
@@ -94,9 +96,10 @@ def rollout(
 ) -> dict:
     from dynamicrubric.rollout import run_rollout
 
+    started = time.perf_counter()
     cfg = _setup(config_yaml)
     counts = run_rollout(prompts, out, cfg, policy=policy, seed=seed, shard=shard, num_shards=num_shards)
-    with tracking.stage_run(cfg, run_name, round_idx, f"{label}-rollout-{shard}") as run:
+    with tracking.stage_run(cfg, run_name, round_idx, f"{label}-rollout-{shard}", started=started) as run:
         if run:
             run.log_params({"policy": policy, "seed": seed, "shard": shard, "num_shards": num_shards})
             run.log_artifact_dataset(prompts, "prompts", "input")
@@ -140,6 +143,7 @@ def candidates(
     """
     from dynamicrubric import tasks
 
+    started = time.perf_counter()
     cfg = _setup(config_yaml)
     policy_sets = read_frame(rollouts, "rollouts")
     outcome_lists = tasks.anchors_from_outcomes(
@@ -158,7 +162,9 @@ def candidates(
         "ranked_policy_sets": outcome_lists["list_id"].nunique(),
         "anchor_lists": len(mine),
     }
-    with tracking.stage_run(cfg, run_name, round_idx, f"generator-candidates-{shard}") as run:
+    with tracking.stage_run(
+        cfg, run_name, round_idx, f"generator-candidates-{shard}", started=started
+    ) as run:
         if run:
             run.log_params({"shard": shard, "num_shards": num_shards})
             run.log_artifact_dataset(rollouts, "rollouts", "input")
@@ -183,9 +189,10 @@ def rubrics(
 ) -> dict:
     from dynamicrubric.rubrics import run_rubrics
 
+    started = time.perf_counter()
     cfg = _setup(config_yaml)
     counts = run_rubrics(candidates, out, cfg, generator=generator, samples=samples, seed=seed)
-    with tracking.stage_run(cfg, run_name, round_idx, f"{label}-rubrics-{shard}") as run:
+    with tracking.stage_run(cfg, run_name, round_idx, f"{label}-rubrics-{shard}", started=started) as run:
         if run:
             run.log_params({"generator": generator, "samples": samples, "seed": seed, "shard": shard})
             run.log_artifact_dataset(candidates, "rollouts", "input")
@@ -207,9 +214,10 @@ def judge(
 ) -> dict:
     from dynamicrubric.judge import run_judge
 
+    started = time.perf_counter()
     cfg = _setup(config_yaml)
     counts = run_judge(candidates, out, cfg, rubrics_uri=rubrics or None, verifier=verifier)
-    with tracking.stage_run(cfg, run_name, round_idx, f"{label}-judge-{shard}") as run:
+    with tracking.stage_run(cfg, run_name, round_idx, f"{label}-judge-{shard}", started=started) as run:
         if run:
             run.log_params({"verifier": verifier, "shard": shard})
             run.log_artifact_dataset(candidates, "rollouts", "input")
@@ -239,6 +247,7 @@ def aggregate(
     verifiable correctness first, so the mean gap (Δgap) has a reference ordering to measure against."""
     from dynamicrubric.aggregate import run_aggregate
 
+    started = time.perf_counter()
     cfg = _setup(config_yaml)
     variant = "pointwise" if not rubrics else cfg.rubrics.variant
     with tempfile.TemporaryDirectory() as work:
@@ -267,7 +276,7 @@ def aggregate(
             round_idx=round_idx,
             variant=variant,
         )
-    with tracking.stage_run(cfg, run_name, round_idx, f"{label}-aggregate") as run:
+    with tracking.stage_run(cfg, run_name, round_idx, f"{label}-aggregate", started=started) as run:
         if run:
             inputs = [(u, "judgments") for u in judgments] + [(u, "rollouts") for u in candidates]
             inputs += [(u, "rubrics") for u in rubrics] + [(u, "anchors") for u in anchors]
@@ -296,6 +305,7 @@ def train_evaluator(
 ) -> dict:
     from dynamicrubric.train import train_evaluator as run_train
 
+    started = time.perf_counter()
     cfg = _setup(config_yaml)
     with tempfile.TemporaryDirectory() as work:
         result = run_train(
@@ -307,7 +317,7 @@ def train_evaluator(
             metrics_uri=out_metrics,
             round_idx=round_idx,
         )
-    with tracking.stage_run(cfg, run_name, round_idx, "train_evaluator") as run:
+    with tracking.stage_run(cfg, run_name, round_idx, "train_evaluator", started=started) as run:
         if run:
             run.log_params({"generator": generator})
             for uri in rubrics:
@@ -330,6 +340,7 @@ def train_policy(
 ) -> dict:
     from dynamicrubric.train import train_policy as run_train
 
+    started = time.perf_counter()
     cfg = _setup(config_yaml)
     with tempfile.TemporaryDirectory() as work:
         result = run_train(
@@ -341,7 +352,7 @@ def train_policy(
             metrics_uri=out_metrics,
             round_idx=round_idx,
         )
-    with tracking.stage_run(cfg, run_name, round_idx, "train_policy") as run:
+    with tracking.stage_run(cfg, run_name, round_idx, "train_policy", started=started) as run:
         if run:
             run.log_params({"policy": policy})
             for uri in rollouts:
@@ -366,6 +377,7 @@ def evaluate(
 ) -> dict:
     from dynamicrubric.evaluate import run_evaluate
 
+    started = time.perf_counter()
     cfg = _setup(config_yaml)
     Path(out_plots).mkdir(parents=True, exist_ok=True)
     result = run_evaluate(
@@ -380,7 +392,7 @@ def evaluate(
         labelled_uris=tuple(cfg.data.labelled),
         round_idx=round_idx,
     )
-    with tracking.stage_run(cfg, run_name, round_idx, "evaluate") as run:
+    with tracking.stage_run(cfg, run_name, round_idx, "evaluate", started=started) as run:
         if run:
             params = {
                 "policy": policy,

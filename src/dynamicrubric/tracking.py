@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,6 +66,12 @@ def start_pipeline_run(cfg: Config, run_name: str, rounds: int) -> str:
     if not tracking_uri(cfg):
         return ""
     mlflow = _mlflow(cfg)
+    uri = tracking_uri(cfg)
+    if uri.startswith("sqlite:///") and mlflow.get_experiment_by_name(cfg.pipeline.experiment) is None:
+        # A SQL store's default artifact root is ./mlruns in whatever directory the run starts from;
+        # keep a local store's artifacts beside its database instead.
+        beside_db = Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlruns"
+        mlflow.create_experiment(cfg.pipeline.experiment, artifact_location=beside_db.as_uri())
     experiment = mlflow.set_experiment(cfg.pipeline.experiment)
     with mlflow.start_run(run_name=run_name, experiment_id=experiment.experiment_id) as parent:
         mlflow.set_tags({PIPELINE_TAG: run_name, STAGE_TAG: "pipeline"})
@@ -103,7 +110,17 @@ class StageRun:
         with warnings.catch_warnings():  # schema inference warns about int columns on every call
             warnings.simplefilter("ignore", UserWarning)
             dataset = self.mlflow.data.from_pandas(frame, source=mlflow_source(uri), name=kind, digest=digest)
-        self.mlflow.log_input(dataset, context=context, tags={"kind": kind, "uri": mlflow_source(uri)})
+        tags = {"kind": kind, "uri": mlflow_source(uri)}
+        try:
+            self.mlflow.log_input(dataset, context=context, tags=tags)
+        except self.mlflow.exceptions.MlflowException as e:
+            # Two shards logging the same input at once race on MLflow's check-then-insert of the
+            # dataset row (UNIQUE constraint on a SQL store); the row exists now, so once more finds it.
+            message = str(e).lower()  # sqlite: "UNIQUE constraint failed"; postgres: "duplicate key value"
+            if "unique constraint" not in message and "duplicate" not in message:
+                raise
+            log.info("MLflow: dataset %s was logged concurrently; retrying", uri)
+            self.mlflow.log_input(dataset, context=context, tags=tags)
 
     def log_params(self, params: dict[str, object]) -> None:
         """The stage's inputs that are not artifacts (model references, seeds, shard), to rerun it."""
@@ -172,8 +189,16 @@ def find_pipeline_run(cfg: Config, run_name: str) -> str | None:
 
 
 @contextlib.contextmanager
-def stage_run(cfg: Config, run_name: str, round_idx: int, stage: str) -> Iterator[StageRun | None]:
-    """A run for one stage task, nested under its round's run (or the parent for round 0)."""
+def stage_run(
+    cfg: Config, run_name: str, round_idx: int, stage: str, *, started: float | None = None
+) -> Iterator[StageRun | None]:
+    """A run for one stage task, nested under its round's run (or the parent for round 0).
+
+    Stages open their run once the work is done (a failed stage leaves no half-logged run), so the
+    run's own start and end times do not cover the work: `started`, the stage's time.perf_counter()
+    when it began, is logged as the metric `stage_wall_s` (model loading included; process start
+    and imports, about 4 s a task, are not).
+    """
     if not run_name or not tracking_uri(cfg):
         yield None
         return
@@ -199,3 +224,5 @@ def stage_run(cfg: Config, run_name: str, round_idx: int, stage: str) -> Iterato
         tags={STAGE_TAG: stage, ROUND_TAG: str(round_idx)},
     ) as run:
         yield StageRun(mlflow, run.info.run_id)
+        if started is not None:
+            mlflow.log_metric("stage_wall_s", time.perf_counter() - started)
