@@ -212,13 +212,57 @@ def _mean(*values: float | None) -> float | None:
     return sum(present) / len(present) if present else None
 
 
+STAGE_ORDER = [
+    "prepare_data",
+    "generator-rollout",
+    "generator-candidates",
+    "generator-rubrics",
+    "generator-judge",
+    "generator-aggregate",
+    "train_evaluator",
+    "policy-rollout",
+    "policy-rubrics",
+    "policy-judge",
+    "policy-aggregate",
+    "train_policy",
+    "evaluate",
+]
+
+
 def stage_seconds(result: dict[str, Any]) -> dict[str, dict[int, float]]:
-    """Seconds per stage and round, summed over shards (shards run two at a time on 2 cores)."""
+    """Seconds per stage and round, summed over shards (two shards run at once on 2 cores), in
+    pipeline order; round 0 holds data preparation and the evaluation of the untrained models."""
     table: dict[str, dict[int, float]] = {}
     for s in result["stages"]:
         row = table.setdefault(s["stage"], {})
         row[s["round"]] = row.get(s["round"], 0.0) + s["seconds"]
-    return table
+    table.setdefault("evaluate", {})[0] = result["round0"]["wall_s"]
+    return {stage: table[stage] for stage in sorted(table, key=_stage_position)}
+
+
+def _stage_position(stage: str) -> int:
+    return STAGE_ORDER.index(stage) if stage in STAGE_ORDER else len(STAGE_ORDER)
+
+
+def summary_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per variant: where it started (round 0), where it ended (last round), and its time."""
+    rows = []
+    for result in results:
+        table = round_rows(result)
+        first, last = table[0], table[-1]
+        gaps = " → ".join(_cell(r["Δgap"]) for r in table[1:])
+        ties = " → ".join(_cell(r["tie rate"]) for r in table[1:])
+        rows.append(
+            {
+                "variant": result["variant"],
+                "Δgap by round": gaps,
+                "tie rate by round": ties,
+                "eval acc (pairs) r0 → last": f"{_cell(first['eval acc (pairs)'])} → {_cell(last['eval acc (pairs)'])}",
+                "policy acc r0 → last": f"{_cell(first['policy acc'])} → {_cell(last['policy acc'])}",
+                "minutes (pipeline + r0 eval)": f"{result['pipeline_wall_s'] / 60:.1f} + {result['round0']['wall_s'] / 60:.1f}",
+            }
+        )
+    return rows
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -229,6 +273,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _seconds(v: float | None) -> str | None:
+    return None if v is None else f"{v:.1f}"
+
+
 def _cell(v: Any) -> str:
     if v is None:
         return "–"
@@ -237,6 +285,9 @@ def _cell(v: Any) -> str:
 
 def report(results: list[dict[str, Any]]) -> str:
     out = []
+    if len(results) > 1:
+        out.append("### All variants\n")
+        out.append(markdown(summary_rows(results)) + "\n")
     for result in results:
         m = result["machine"]
         p = result["prompts"]
@@ -252,9 +303,11 @@ def report(results: list[dict[str, Any]]) -> str:
         seconds = stage_seconds(result)
         rounds = sorted({t for row in seconds.values() for t in row})
         rows = [
-            {"stage": stage, **{f"round {t} (s)": row.get(t) for t in rounds}}
+            {"stage": stage, **{f"round {t} (s)": _seconds(row.get(t)) for t in rounds}}
             for stage, row in seconds.items()
         ]
+        total = {t: sum(row.get(t, 0.0) for row in seconds.values()) for t in rounds}
+        rows.append({"stage": "all stages", **{f"round {t} (s)": _seconds(total[t]) for t in rounds}})
         out.append(markdown(rows) + "\n")
     return "\n".join(out)
 
