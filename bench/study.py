@@ -35,6 +35,7 @@ from dynamicrubric.artifacts import write_artifact
 from dynamicrubric.config import Config, load_config
 
 HERE = Path(__file__).parent / "study"
+PLOTS = Path(__file__).parent.parent / "docs" / "results"  # the last round's evaluate plots, per variant
 STUDY_CONFIG = HERE / "study.yaml"
 PAIRS = HERE / "pairs.jsonl"
 VARIANTS: dict[str, dict] = {
@@ -132,6 +133,7 @@ def run_variant(variant: str, root: Path, preset: str | None = None) -> dict[str
     pipeline_s = time.perf_counter() - start
 
     stages = stage_runs(cfg, parent)
+    copy_plots(root, variant, cfg.pipeline.rounds)
     return {
         "variant": variant,
         "command": f"python -m bench.study run --variant {variant}"
@@ -147,6 +149,15 @@ def run_variant(variant: str, root: Path, preset: str | None = None) -> dict[str
         "pipeline_wall_s": pipeline_s,
         "stages": stages,
     }
+
+
+def copy_plots(root: Path, variant: str, rounds: int) -> list[Path]:
+    """The last round's evaluate-stage plots, copied to docs/results/<variant>/ for the report."""
+    task = "evaluate" if rounds == 1 else f"evaluate-{rounds}"  # KFP suffixes repeated task names
+    found = sorted((root / "runs").glob(f"*/{task}/plots/*.png"))
+    dest = PLOTS / variant
+    dest.mkdir(parents=True, exist_ok=True)
+    return [Path(shutil.copy2(png, dest / png.name)) for png in found]
 
 
 def stage_runs(cfg: Config, parent_run_id: str) -> list[dict[str, Any]]:
@@ -175,14 +186,20 @@ def stage_runs(cfg: Config, parent_run_id: str) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------------------------------
 
 
+SHARD_COUNTS = ("rubrics", "empty_rubrics", "judgments", "yes")
+
+
 def round_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per round: the policy's signal under this round's evaluator, and the evaluate stage."""
     variant = result["variant"]
     by_round: dict[int, dict[str, dict]] = {}
     for s in result["stages"]:
         merged = by_round.setdefault(s["round"], {}).setdefault(s["stage"], {})
-        for k, v in s["metrics"].items():  # shard counts add up; the rest are per-stage already
-            merged[k] = merged.get(k, 0.0) + v if k in ("rubrics", "empty_rubrics") else v
+        metrics = dict(s["metrics"])
+        if "yes_rate" in metrics:  # a judge shard's rate: add up the yes verdicts instead
+            metrics["yes"] = metrics.pop("yes_rate") * metrics["judgments"]
+        for k, v in metrics.items():  # shard counts add up; the rest are per-stage already
+            merged[k] = merged.get(k, 0.0) + v if k in SHARD_COUNTS else v
     rows = [_round_row(0, {"evaluate": result["round0"]["metrics"]}, variant)]
     rows += [_round_row(t, by_round[t], variant) for t in sorted(by_round) if t > 0]
     return rows
@@ -192,12 +209,14 @@ def _round_row(t: int, stages: dict[str, dict], variant: str) -> dict[str, Any]:
     agg = stages.get("policy-aggregate", {})
     ev = stages.get("evaluate", {})
     rub = stages.get("policy-rubrics", {})
+    judge = stages.get("policy-judge", {})
     return {
         "round": t,
         "Δgap": agg.get("mean_gap"),
         "tie rate": agg.get("tie_rate"),
         "uniform": agg.get("uniformity_rate"),
         "rubrics parsed": (1 - rub["empty_rubrics"] / rub["rubrics"]) if rub.get("rubrics") else None,
+        "yes rate": judge["yes"] / judge["judgments"] if judge.get("judgments") else None,
         "eval acc (pairs)": ev.get(f"{variant}/pairwise_accuracy_labelled"),
         "eval acc (outcomes)": ev.get(f"{variant}/pairwise_accuracy_outcomes"),
         "policy acc": ev.get("policy/accuracy"),
@@ -307,7 +326,9 @@ def report(results: list[dict[str, Any]]) -> str:
             for stage, row in seconds.items()
         ]
         total = {t: sum(row.get(t, 0.0) for row in seconds.values()) for t in rounds}
-        rows.append({"stage": "all stages", **{f"round {t} (s)": _seconds(total[t]) for t in rounds}})
+        rows.append(
+            {"stage": "sum (tasks overlap)", **{f"round {t} (s)": _seconds(total[t]) for t in rounds}}
+        )
         out.append(markdown(rows) + "\n")
     return "\n".join(out)
 

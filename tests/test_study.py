@@ -42,6 +42,8 @@ def _result() -> dict:
             stage(0, "prepare_data", 2.0),
             stage(1, "policy-rubrics", 10.0, rubrics=3.0, empty_rubrics=1.0),
             stage(1, "policy-rubrics", 12.0, rubrics=1.0, empty_rubrics=1.0),
+            stage(1, "policy-judge", 3.0, judgments=30.0, yes_rate=0.2),
+            stage(1, "policy-judge", 4.0, judgments=10.0, yes_rate=0.6),
             stage(1, "policy-aggregate", 1.0, mean_gap=0.2, tie_rate=0.4, uniformity_rate=0.1),
             stage(
                 1, "evaluate", 30.0, **{"dynamic/pairwise_accuracy_labelled": 0.75, "policy/accuracy": 0.5}
@@ -56,9 +58,10 @@ def test_round_rows_and_stage_seconds():
     assert rows[0]["eval acc (pairs)"] == 0.5 and rows[0]["Δgap"] is None
     assert rows[1]["Δgap"] == 0.2 and rows[1]["tie rate"] == 0.4
     assert rows[1]["rubrics parsed"] == 0.5  # 2 of 4 rubric samples over both shards were empty
+    assert rows[1]["yes rate"] == pytest.approx((6 + 6) / 40)  # pooled over the shards' judgments
     assert rows[1]["eval acc (pairs)"] == 0.75 and rows[1]["policy acc"] == 0.5
     seconds = study.stage_seconds(_result())
-    assert list(seconds) == ["prepare_data", "policy-rubrics", "policy-aggregate", "evaluate"]
+    assert list(seconds) == ["prepare_data", "policy-rubrics", "policy-judge", "policy-aggregate", "evaluate"]
     assert seconds["policy-rubrics"] == {1: 22.0} and seconds["evaluate"] == {0: 60.0, 1: 30.0}
 
 
@@ -66,5 +69,5 @@ def test_report_is_markdown_from_the_json(tmp_path):
     path = tmp_path / "study_dynamic.json"
     path.write_text(json.dumps(_result()))
     text = study.report([json.loads(path.read_text())])
-    assert "| 1 | 0.200 | 0.400 | 0.100 | 0.500 | 0.750 |" in text
-    assert "| all stages | 62.0 | 53.0 |" in text
+    assert "| 1 | 0.200 | 0.400 | 0.100 | 0.500 | 0.300 | 0.750 |" in text
+    assert "| sum (tasks overlap) | 62.0 | 60.0 |" in text
