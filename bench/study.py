@@ -333,6 +333,19 @@ def report(results: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Every metric that differs between two results of one variant (wall times excluded)."""
+
+    def numbers(result: dict[str, Any]) -> dict[str, float]:
+        out = {f"round0/{k}": v for k, v in result["round0"]["metrics"].items()}
+        for s in result["stages"]:
+            out.update({f"round{s['round']}/{s['task']}/{k}": v for k, v in s["metrics"].items()})
+        return out
+
+    x, y = numbers(a), numbers(b)
+    return [f"{k}: {x.get(k)} != {y.get(k)}" for k in sorted(x.keys() | y.keys()) if x.get(k) != y.get(k)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.study", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -344,6 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument(
         "--out", type=Path, default=None, help="result JSON (default bench/results/study_<variant>.json)"
     )
+    run.add_argument(
+        "--check",
+        action="store_true",
+        help="compare with the committed bench/results/study_<variant>.json instead of replacing it",
+    )
     rep = sub.add_parser("report", help="markdown tables from the result JSONs")
     rep.add_argument("results", nargs="*", type=Path)
     args = parser.parse_args(argv)
@@ -352,10 +370,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "pairs":
         print(f"{make_pairs(PAIRS)} pairs -> {PAIRS}")
     elif args.command == "run":
+        committed = RESULTS / f"study_{args.variant}.json"
+        if args.check and not committed.exists():
+            parser.error(f"--check: {committed} does not exist")
         result = run_variant(args.variant, args.root, args.preset)
-        path = write_result(f"study_{args.variant}", result) if args.out is None else _write(args.out, result)
+        if args.check:
+            path = _write(args.out or args.root / f"study_{args.variant}.json", result)
+        else:
+            path = (
+                write_result(f"study_{args.variant}", result)
+                if args.out is None
+                else _write(args.out, result)
+            )
         print(report([result]))
         print(f"-> {path}")
+        if args.check:
+            diff = differences(json.loads(committed.read_text()), result)
+            print(f"{len(diff)} metric(s) differ from {committed}" + "".join(f"\n  {d}" for d in diff[:20]))
+            return 1 if diff else 0
     else:
         paths = args.results or [RESULTS / f"study_{v}.json" for v in VARIANTS]
         print(report([json.loads(p.read_text()) for p in paths if p.exists()]))

@@ -71,3 +71,16 @@ def test_report_is_markdown_from_the_json(tmp_path):
     text = study.report([json.loads(path.read_text())])
     assert "| 1 | 0.200 | 0.400 | 0.100 | 0.500 | 0.300 | 0.750 |" in text
     assert "| sum (tasks overlap) | 62.0 | 60.0 |" in text
+
+
+def test_differences_ignore_wall_times_only():
+    a, b = _result(), _result()
+    b["pipeline_wall_s"] += 30
+    b["stages"][1]["seconds"] += 1.0
+    assert study.differences(a, b) == []
+    b["stages"][-1]["metrics"]["policy/accuracy"] = 0.25
+    b["round0"]["metrics"]["policy/accuracy"] = 0.5
+    assert study.differences(a, b) == [
+        "round0/policy/accuracy: 0.25 != 0.5",
+        "round1/evaluate/policy/accuracy: 0.5 != 0.25",
+    ]
