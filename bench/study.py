@@ -334,7 +334,8 @@ def report(results: list[dict[str, Any]]) -> str:
 
 
 def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """Every metric that differs between two results of one variant (wall times excluded)."""
+    """Every metric that differs between two results of one variant; speeds (tokens_per_s) are wall
+    times too and are left out."""
 
     def numbers(result: dict[str, Any]) -> dict[str, float]:
         out = {f"round0/{k}": v for k, v in result["round0"]["metrics"].items()}
@@ -343,7 +344,8 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
         return out
 
     x, y = numbers(a), numbers(b)
-    return [f"{k}: {x.get(k)} != {y.get(k)}" for k in sorted(x.keys() | y.keys()) if x.get(k) != y.get(k)]
+    keys = sorted(k for k in x.keys() | y.keys() if not k.endswith("tokens_per_s"))
+    return [f"{k}: {x.get(k)} != {y.get(k)}" for k in keys if x.get(k) != y.get(k)]
 
 
 def main(argv: list[str] | None = None) -> int:

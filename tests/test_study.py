@@ -77,6 +77,7 @@ def test_differences_ignore_wall_times_only():
     a, b = _result(), _result()
     b["pipeline_wall_s"] += 30
     b["stages"][1]["seconds"] += 1.0
+    a["stages"][1]["metrics"]["tokens_per_s"], b["stages"][1]["metrics"]["tokens_per_s"] = 80.0, 30.0
     assert study.differences(a, b) == []
     b["stages"][-1]["metrics"]["policy/accuracy"] = 0.25
     b["round0"]["metrics"]["policy/accuracy"] = 0.5
