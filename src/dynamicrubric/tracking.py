@@ -63,10 +63,10 @@ def mlflow_source(uri: str) -> str:
 
 def start_pipeline_run(cfg: Config, run_name: str, rounds: int) -> str:
     """Create the parent run and its round runs; return the parent run id ("" when tracking is off)."""
-    if not tracking_uri(cfg):
+    uri = tracking_uri(cfg)
+    if not uri:
         return ""
     mlflow = _mlflow(cfg)
-    uri = tracking_uri(cfg)
     if uri.startswith("sqlite:///") and mlflow.get_experiment_by_name(cfg.pipeline.experiment) is None:
         # A SQL store's default artifact root is ./mlruns in whatever directory the run starts from;
         # keep a local store's artifacts beside its database instead.
