@@ -116,7 +116,7 @@ def run_variant(variant: str, root: Path, preset: str | None = None) -> dict[str
     start = time.perf_counter()
     d = cfg.data
     eval_prompts = str(root / "round0" / "eval_prompts.parquet")
-    write_artifact(eval_prompts, "prompts", tasks.load_prompts(d.sources, d.eval_prompts, "eval", d.seed))
+    write_artifact(eval_prompts, "prompts", tasks.configured_prompts(d, "eval"))
     round0 = run_evaluate(
         eval_prompts,
         str(root / "round0" / "metrics.parquet"),

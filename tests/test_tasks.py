@@ -12,9 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from dynamicrubric.artifacts import read_frame, to_table, write_artifact
+from dynamicrubric.config import DataConfig
 from dynamicrubric.tasks import (
     TaskError,
     anchors_from_outcomes,
+    configured_prompts,
     extract_answer,
     load_nectar,
     load_pairs,
@@ -74,6 +76,15 @@ def test_train_and_eval_are_disjoint(source):
     assert train["prompt"].is_unique and held_out["prompt"].is_unique
     if source == "humaneval":  # every problem lands in exactly one split
         assert len(train) + len(held_out) == 164
+
+
+def test_configured_prompts_follow_the_data_section():
+    data = DataConfig(sources=[ARITH, "humaneval"], num_prompts=2, eval_prompts=0, seed=5)
+    train = configured_prompts(data, "train")
+    pd.testing.assert_frame_equal(train, load_prompts([ARITH, "humaneval"], 2, "train", seed=5))
+    held_out = configured_prompts(data, "eval")  # eval_prompts 0 still gives evaluate one per source
+    pd.testing.assert_frame_equal(held_out, load_prompts([ARITH, "humaneval"], 1, "eval", seed=5))
+    assert not set(train["prompt_id"]) & set(held_out["prompt_id"])
 
 
 def test_humaneval_loads_offline(monkeypatch):

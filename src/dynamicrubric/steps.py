@@ -64,12 +64,9 @@ def prepare_data(
 
     started = time.perf_counter()
     cfg = _setup(config_yaml)
-    d = cfg.data
-    write_artifact(train_prompts, "prompts", tasks.load_prompts(d.sources, d.num_prompts, "train", d.seed))
-    write_artifact(
-        eval_prompts, "prompts", tasks.load_prompts(d.sources, max(d.eval_prompts, 1), "eval", d.seed)
-    )
-    lists = [tasks.load_nectar(uri) for uri in d.anchors]
+    write_artifact(train_prompts, "prompts", tasks.configured_prompts(cfg.data, "train"))
+    write_artifact(eval_prompts, "prompts", tasks.configured_prompts(cfg.data, "eval"))
+    lists = [tasks.load_nectar(uri) for uri in cfg.data.anchors]
     write_artifact(anchor_lists, "anchors", pd.concat(lists) if lists else empty_table("anchors"))
     with tracking.stage_run(cfg, run_name, 0, "prepare_data", started=started) as run:
         if run:

@@ -33,13 +33,16 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import PurePosixPath
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import parse_qsl
 
 import pandas as pd
 
 from dynamicrubric import store
 from dynamicrubric.sandbox import check_humaneval
+
+if TYPE_CHECKING:
+    from dynamicrubric.config import DataConfig
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +100,14 @@ def load_prompts(
     if len(dup):
         raise TaskError(f"prompt_id {dup.iloc[0]!r} occurs twice; is a source listed twice in {sources}?")
     return df[PROMPT_COLUMNS]
+
+
+def configured_prompts(data: DataConfig, split: Literal["train", "eval"]) -> pd.DataFrame:
+    """The training or held-out prompts a config's data section names. Every consumer (the pipeline's
+    prepare step, the study's round-0 evaluation) goes through here so they cannot drift apart."""
+    # evaluate needs a held-out prompt even when eval_prompts is 0 (its policy metrics then cover one)
+    count = data.num_prompts if split == "train" else max(data.eval_prompts, 1)
+    return load_prompts(data.sources, count, split, data.seed)
 
 
 def _load_source(source: str, num_prompts: int, split: str, seed: int) -> pd.DataFrame:
