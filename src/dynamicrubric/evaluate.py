@@ -50,6 +50,7 @@ LIST_COLUMNS = ("list_id", "sample_idx", "rank", "score")
 EVALUATOR_VARIANTS = ("dynamic", "static", "pointwise")
 CODE_TASKS = ("humaneval",)  # tasks whose score is "all tests passed": pass@k applies
 MAX_LIST_SIZE = 26  # the dynamic generator labels responses A..Z
+OUTCOMES_PREFIX = "outcomes:"  # list ids of the policy's outcome lists; a user's file i gives "file<i>:"
 PLOT_NAMES = ("scores.png", "gap_tie.png", "accuracy.png", "policy.png")
 
 
@@ -404,7 +405,9 @@ def _labelled_lists(
     cannot collide with a prompt id. Lists with fewer than two distinct ranks, or more responses than
     the generator can label, are skipped and counted.
     """
-    parts = [outcome_lists(scored, prompts).pipe(lambda df: df.assign(list_id="outcomes:" + df["list_id"]))]
+    parts = [
+        outcome_lists(scored, prompts).pipe(lambda df: df.assign(list_id=OUTCOMES_PREFIX + df["list_id"]))
+    ]
     for i, uri in enumerate(labelled_uris):
         user = load_labelled(uri)
         log.info("evaluate: %d labelled list(s) from %s", user["list_id"].nunique(), uri)
@@ -424,7 +427,7 @@ def _labelled_lists(
         "labelled_lists": float(num_kept),
         "labelled_lists_skipped": float(total - num_kept),
         "labelled_lists_outcomes": float(
-            kept["list_id"].str.startswith("outcomes:").groupby(kept["list_id"]).any().sum()
+            kept["list_id"].str.startswith(OUTCOMES_PREFIX).groupby(kept["list_id"]).any().sum()
         ),
     }
     return kept, counts
@@ -436,10 +439,10 @@ def _accuracy_by_origin(lists: pd.DataFrame) -> dict[str, float]:
     The files are a fixed held-out set, comparable from round to round; the outcome lists are the
     current policy's own samples and change with it. NaN (later dropped) when one side has no pair.
     """
-    from_files = lists["list_id"].str.startswith("file")
+    from_outcomes = lists["list_id"].str.startswith(OUTCOMES_PREFIX)
     return {
-        "pairwise_accuracy_labelled": pairwise_accuracy(lists[from_files]),
-        "pairwise_accuracy_outcomes": pairwise_accuracy(lists[~from_files]),
+        "pairwise_accuracy_labelled": pairwise_accuracy(lists[~from_outcomes]),
+        "pairwise_accuracy_outcomes": pairwise_accuracy(lists[from_outcomes]),
     }
 
 
