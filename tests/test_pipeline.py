@@ -20,6 +20,7 @@ import yaml
 
 from dynamicrubric import store, tracking
 from dynamicrubric.config import load_config
+from dynamicrubric.launch import round_table
 from dynamicrubric.pipelines.co_evolution import default_run_name
 
 
@@ -143,6 +144,26 @@ def test_lineage_run_tree(pipeline_run):
             assert inputs, f"stage {s.data.tags[tracking.STAGE_TAG]} logged no datasets"
             for d in inputs:  # ... whose source is the artifact itself
                 assert store.exists(json.loads(d.dataset.source)["uri"]), d.dataset.source
+
+
+def test_stage_runs_by_round_and_the_round_table(pipeline_run):
+    cfg = pipeline_run["cfg"]
+    parent_id = tracking.find_pipeline_run(cfg, default_run_name(cfg))
+    by_round = tracking.stage_runs_by_round(cfg, parent_id)
+    assert sorted(by_round) == [0, 1, 2]
+    assert [r.data.tags[tracking.STAGE_TAG] for r in by_round[0]] == ["prepare_data"]
+    for t in (1, 2):
+        assert {r.data.tags[tracking.ROUND_TAG] for r in by_round[t]} == {str(t)}
+        assert {"train_evaluator", "train_policy", "evaluate"} <= {
+            r.data.tags[tracking.STAGE_TAG] for r in by_round[t]
+        }
+    # the table `dynrubric run` prints reads the same tree
+    table = round_table(cfg, parent_id)
+    assert [row["round"] for row in table] == [1, 2]
+    for row in table:
+        metrics = {r.data.tags[tracking.STAGE_TAG]: r.data.metrics for r in by_round[row["round"]]}
+        assert row["tie_rate"] == metrics["policy-aggregate"]["tie_rate"]
+        assert row["policy_acc"] == metrics["evaluate"]["policy/accuracy"]
 
 
 def test_lineage_models(pipeline_run):

@@ -108,24 +108,16 @@ def round_table(cfg: Config, parent_run_id: str) -> list[dict]:
     """Per-round headline numbers from MLflow: the policy's signal diagnostics and the eval results."""
     if not parent_run_id:
         return []
-    client = tracking._mlflow(cfg).MlflowClient()
-    parent = client.get_run(parent_run_id)
-    experiment = parent.info.experiment_id
-    rounds = client.search_runs([experiment], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'")
     table = []
-    rounds = [
-        r for r in rounds if tracking.STAGE_TAG not in r.data.tags
-    ]  # the parent also holds round-0 stages
-    for round_run in sorted(rounds, key=lambda r: int(r.data.tags[tracking.ROUND_TAG])):
-        stages = client.search_runs(
-            [experiment], filter_string=f"tags.mlflow.parentRunId = '{round_run.info.run_id}'"
-        )
+    for t, stages in sorted(tracking.stage_runs_by_round(cfg, parent_run_id).items()):
+        if t == 0:
+            continue  # data preparation only
         by_stage = {s.data.tags.get(tracking.STAGE_TAG): s.data.metrics for s in stages}
         agg = by_stage.get("policy-aggregate", {})
         ev = by_stage.get("evaluate", {})
         table.append(
             {
-                "round": int(round_run.data.tags.get(tracking.ROUND_TAG, 0)),
+                "round": t,
                 "mean_gap": agg.get("mean_gap"),
                 "tie_rate": agg.get("tie_rate"),
                 "uniformity": agg.get("uniformity_rate"),

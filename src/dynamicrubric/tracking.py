@@ -69,8 +69,8 @@ def start_pipeline_run(cfg: Config, run_name: str, rounds: int) -> str:
     mlflow = _mlflow(cfg)
     if uri.startswith("sqlite:///") and mlflow.get_experiment_by_name(cfg.pipeline.experiment) is None:
         # A SQL store's default artifact root is ./mlruns in whatever directory the run starts from;
-        # keep a local store's artifacts beside its database instead.
-        beside_db = Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlruns"
+        # keep a local store's artifacts beside its database (tracking_uri made its path absolute).
+        beside_db = Path(uri.removeprefix("sqlite:///")).parent / "mlruns"
         mlflow.create_experiment(cfg.pipeline.experiment, artifact_location=beside_db.as_uri())
     experiment = mlflow.set_experiment(cfg.pipeline.experiment)
     with mlflow.start_run(run_name=run_name, experiment_id=experiment.experiment_id) as parent:
@@ -186,6 +186,26 @@ def find_pipeline_run(cfg: Config, run_name: str) -> str | None:
         max_results=1,
     )
     return runs[0].info.run_id if runs else None
+
+
+def stage_runs_by_round(cfg: Config, parent_run_id: str) -> dict[int, list]:
+    """The stage runs of one pipeline run, by round: round 0's sit under the parent run, the others
+    under their round's run. Every round run appears, with [] when none of its stages ran."""
+    client = _mlflow(cfg).MlflowClient()
+    experiment = client.get_run(parent_run_id).info.experiment_id
+
+    def children(run_id: str) -> list:
+        return client.search_runs(
+            [experiment], filter_string=f"tags.mlflow.parentRunId = '{run_id}'", max_results=5000
+        )
+
+    by_round: dict[int, list] = {0: []}
+    for child in children(parent_run_id):
+        if STAGE_TAG in child.data.tags:
+            by_round[0].append(child)
+        else:
+            by_round[int(child.data.tags[ROUND_TAG])] = children(child.info.run_id)
+    return by_round
 
 
 @contextlib.contextmanager
