@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import RESULTS, machine_info, write_result
+from bench import RESULTS, machine_info
 from dynamicrubric import tasks, tracking
 from dynamicrubric.artifacts import write_artifact
 from dynamicrubric.config import Config, load_config
@@ -77,7 +77,7 @@ def make_pairs(out: Path) -> int:
     cfg = load_config(STUDY_CONFIG)
     prompts = tasks.load_prompts(PAIR_SOURCES, PAIR_PROMPTS, "eval", seed=PAIR_SEED)
     # Keep the pairs apart from the prompts the evaluate stage samples the policy on.
-    study_eval = tasks.load_prompts(cfg.data.sources, cfg.data.eval_prompts, "eval", seed=cfg.data.seed)
+    study_eval = tasks.configured_prompts(cfg.data, "eval")
     prompts = prompts[~prompts["prompt"].isin(set(study_eval["prompt"]))]
     engine = load_engine(cfg.models.policy, cfg.engine)
     rollouts = sample_rollouts(engine, prompts, cfg, seed=PAIR_SEED, policy=cfg.models.policy)
@@ -101,7 +101,7 @@ def make_pairs(out: Path) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
-def run_variant(variant: str, root: Path, preset: str | None = None) -> dict[str, Any]:
+def run_variant(variant: str, root: Path, plots: Path, preset: str | None = None) -> dict[str, Any]:
     from dynamicrubric.evaluate import run_evaluate
     from dynamicrubric.launch import run_local
 
@@ -115,8 +115,9 @@ def run_variant(variant: str, root: Path, preset: str | None = None) -> dict[str
     log.info("study %s: round 0, the untrained models", variant)
     start = time.perf_counter()
     d = cfg.data
+    held_out = tasks.configured_prompts(d, "eval")
     eval_prompts = str(root / "round0" / "eval_prompts.parquet")
-    write_artifact(eval_prompts, "prompts", tasks.configured_prompts(d, "eval"))
+    write_artifact(eval_prompts, "prompts", held_out)
     round0 = run_evaluate(
         eval_prompts,
         str(root / "round0" / "metrics.parquet"),
@@ -133,7 +134,7 @@ def run_variant(variant: str, root: Path, preset: str | None = None) -> dict[str
     pipeline_s = time.perf_counter() - start
 
     stages = stage_runs(cfg, parent)
-    copy_plots(root, variant, cfg.pipeline.rounds)
+    copy_plots(root, cfg.pipeline.rounds, plots)
     return {
         "variant": variant,
         "command": f"python -m bench.study run --variant {variant}"
@@ -142,7 +143,7 @@ def run_variant(variant: str, root: Path, preset: str | None = None) -> dict[str
         "machine": machine,
         "prompts": {
             "train": d.num_prompts * len(d.sources),
-            "held_out": d.eval_prompts * len(d.sources),
+            "held_out": len(held_out),
             "labelled_pairs": sum(1 for _ in PAIRS.open()),
         },
         "round0": {"metrics": round0, "wall_s": round0_s},
@@ -151,24 +152,19 @@ def run_variant(variant: str, root: Path, preset: str | None = None) -> dict[str
     }
 
 
-def copy_plots(root: Path, variant: str, rounds: int) -> list[Path]:
-    """The last round's evaluate-stage plots, copied to docs/results/<variant>/ for the report."""
+def copy_plots(root: Path, rounds: int, dest: Path) -> list[Path]:
+    """The last round's evaluate-stage plots, copied to `dest` (docs/results/<variant>/ for the report)."""
     task = "evaluate" if rounds == 1 else f"evaluate-{rounds}"  # KFP suffixes repeated task names
     found = sorted((root / "runs").glob(f"*/{task}/plots/*.png"))
-    dest = PLOTS / variant
     dest.mkdir(parents=True, exist_ok=True)
     return [Path(shutil.copy2(png, dest / png.name)) for png in found]
 
 
 def stage_runs(cfg: Config, parent_run_id: str) -> list[dict[str, Any]]:
     """Every stage run of the pipeline run: round, stage (shard suffix dropped), seconds, metrics."""
-    client = tracking._mlflow(cfg).MlflowClient()
-    experiment = client.get_run(parent_run_id).info.experiment_id
     rows = []
-    for run in client.search_runs([experiment], max_results=5000):
+    for run in (r for runs in tracking.stage_runs_by_round(cfg, parent_run_id).values() for r in runs):
         tags = run.data.tags
-        if tags.get(tracking.STAGE_TAG) in (None, "pipeline"):
-            continue  # the parent and the round runs
         rows.append(
             {
                 "round": int(tags[tracking.ROUND_TAG]),
@@ -348,6 +344,18 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return [f"{k}: {x.get(k)} != {y.get(k)}" for k in keys if x.get(k) != y.get(k)]
 
 
+def plot_differences(a: Path, b: Path) -> list[str]:
+    """Every plot that is not byte for byte the same in folders a and b (a seeded rerun draws the same)."""
+    names = sorted({p.name for p in a.glob("*.png")} | {p.name for p in b.glob("*.png")})
+    return [
+        f"plot {name}: {a / name} != {b / name}"
+        for name in names
+        if not (
+            (a / name).exists() and (b / name).exists() and (a / name).read_bytes() == (b / name).read_bytes()
+        )
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.study", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -375,20 +383,21 @@ def main(argv: list[str] | None = None) -> int:
         committed = RESULTS / f"study_{args.variant}.json"
         if args.check and not committed.exists():
             parser.error(f"--check: {committed} does not exist")
-        result = run_variant(args.variant, args.root, args.preset)
-        if args.check:
-            path = _write(args.out or args.root / f"study_{args.variant}.json", result)
-        else:
-            path = (
-                write_result(f"study_{args.variant}", result)
-                if args.out is None
-                else _write(args.out, result)
-            )
+        # A check (or an --out run) leaves the committed result and plots alone: it writes its own
+        # beside its runs (or the --out file).
+        path = args.out or (args.root if args.check else RESULTS) / committed.name
+        committed_plots = PLOTS / args.variant
+        plots = (
+            committed_plots if path.resolve() == committed.resolve() else path.parent / f"{path.stem}_plots"
+        )
+        result = run_variant(args.variant, args.root, plots, args.preset)
+        _write(path, result)
         print(report([result]))
-        print(f"-> {path}")
+        print(f"-> {path}, plots in {plots}")
         if args.check:
             diff = differences(json.loads(committed.read_text()), result)
-            print(f"{len(diff)} metric(s) differ from {committed}" + "".join(f"\n  {d}" for d in diff[:20]))
+            diff += plot_differences(committed_plots, plots)
+            print(f"{len(diff)} difference(s) from {committed}" + "".join(f"\n  {d}" for d in diff[:20]))
             return 1 if diff else 0
     else:
         paths = args.results or [RESULTS / f"study_{v}.json" for v in VARIANTS]

@@ -85,3 +85,15 @@ def test_differences_ignore_wall_times_only():
         "round0/policy/accuracy: 0.25 != 0.5",
         "round1/evaluate/policy/accuracy: 0.5 != 0.25",
     ]
+
+
+def test_plot_differences_name_every_changed_or_missing_plot(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder in (a, b):
+        folder.mkdir()
+        (folder / "same.png").write_bytes(b"\x89PNG same")
+    assert study.plot_differences(a, b) == []
+    (a / "changed.png").write_bytes(b"\x89PNG one")
+    (b / "changed.png").write_bytes(b"\x89PNG two")
+    (a / "gone.png").write_bytes(b"\x89PNG")
+    assert [d.split(":")[0] for d in study.plot_differences(a, b)] == ["plot changed.png", "plot gone.png"]
