@@ -1,145 +1,139 @@
-"""Training throughput of the GRPO stage (train-policy): full finetune vs LoRA, in tokens/s.
+"""Where an online training step's time goes, and what scoring inside the reward function saves.
 
-Runs the real stage (`train_policy`: artifacts in, checkpoint folder out) on synthetic rollouts of a
-fixed size and reads the per-step `tokens_per_s` metric (prompt + completion tokens through forward
-and backward per second of optimiser step). The first step is dropped as warm-up; the median of the
-rest is reported, with the stage's wall time end to end (model load, the no-grad reference pass, the
-steps, and writing the checkpoint).
+Runs the real train-policy stage (TRL GRPOTrainer, the dynamic reward: G writes a rubric per group,
+V judges every item and completion) for `--steps` steps at `--prompts` × K completions, and splits
+each step into generation, rubrics, judge, the rest of the reward (aggregation, artifacts) and the
+update, from the per-step metrics the trainer records. The first step is warm-up; the others are
+averaged. Then it runs the same stages on the last step's rollouts the way the standalone pipeline
+would, one process each (`dynrubric stage rubrics | judge | aggregate`, every process loading its
+model), and reports separate / in-reward as the ratio: the in-reward path keeps the generator and
+verifier loaded across steps.
 
     python -m bench.bench_train                                  # tiny-random
-    python -m bench.bench_train --model smollm2-135m-instruct    # SmolLM2-135M
+    python -m bench.bench_train --model smollm2-135m-instruct    # SmolLM2-135M, 8 prompts x 8
 
-Results for each model are merged into bench/results/train.json.
+Results are merged into bench/results/train.json by model.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import random
-import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 from bench import RESULTS, machine_info, print_table, write_result
+from dynamicrubric import tasks, train
 from dynamicrubric.artifacts import read_frame, write_artifact
-from dynamicrubric.config import TrainConfig
-from dynamicrubric.train import train_policy
+from dynamicrubric.config import load_config
 
-WORDS = [
-    "the",
-    "answer",
-    "is",
-    "a",
-    "of",
-    "to",
-    "and",
-    "we",
-    "add",
-    "two",
-    "numbers",
-    "so",
-    "first",
-    "then",
-    "result",
-    "equals",
-    "check",
-    "step",
-]
+PARTS = (
+    "time/generation_s",
+    "time/rubrics_s",
+    "time/judge_s",
+    "time/reward_s",
+    "time/update_s",
+    "time/step_s",
+)
 
 
-def synthetic(folder: Path, prompts: int, k: int, words: int, seed: int) -> tuple[str, str]:
-    """`prompts` x `k` rollouts of about `words` words each, with random scores in [0, 1]."""
-    rng = random.Random(seed)
-    rollouts, scores = [], []
-    for p in range(prompts):
-        prompt = f"What is {rng.randint(10, 99)} + {rng.randint(10, 99)}? Explain each step briefly."
-        for s in range(k):
-            response = " ".join(rng.choice(WORDS) for _ in range(words))
-            rollouts.append(
-                {"prompt_id": f"p{p}", "sample_idx": s, "prompt": prompt, "response": response,
-                 "num_tokens": words, "finish_reason": "stop", "policy": "bench", "seed": seed}
-            )  # fmt: skip
-            scores.append(
-                {
-                    "prompt_id": f"p{p}",
-                    "rubric_idx": 0,
-                    "sample_idx": s,
-                    "score": rng.random(),
-                    "num_items": 1,
-                }
-            )
-    write_artifact(str(folder / "rollouts.parquet"), "rollouts", rollouts)
-    write_artifact(str(folder / "scores.parquet"), "scores", scores)
-    return str(folder / "rollouts.parquet"), str(folder / "scores.parquet")
-
-
-def run(model: str, mode: str, args: argparse.Namespace) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        rollouts, scores = synthetic(folder, args.prompts, args.k, args.words, seed=0)
-        cfg = TrainConfig(
-            learning_rate=1e-5,
-            micro_batch_size=args.micro_batch,
-            grad_accum=1,
-            lora_rank=args.lora_rank if mode == "lora" else 0,
-            gradient_checkpointing=args.gradient_checkpointing,
-        )
-        t = time.perf_counter()
-        train_policy(
-            rollouts, scores, model, str(folder / "ckpt"), cfg, metrics_uri=str(folder / "m.parquet")
-        )
-        wall = time.perf_counter() - t
-        m = read_frame(str(folder / "m.parquet"), "metrics")
-        per_step = m[m["name"] == "tokens_per_s"].sort_values("step")["value"].tolist()
-    steady = per_step[1:] or per_step
-    return {
-        "mode": mode,
-        "steps": len(per_step),
-        "tokens_per_s": statistics.median(steady),
-        "tokens_per_s_per_step": per_step,
-        "stage_wall_s": wall,
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny-random")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    args = parser.parse_args(argv)
+    overrides = {
+        "models": {"policy": args.model, "generator": args.model, "verifier": args.model},
+        "data": {"num_prompts": max(args.prompts, 8)},
+        "rollout": {"k": args.k, "max_new_tokens": args.max_new_tokens},
+        "rubrics": {"max_new_tokens": 160, "max_response_chars": 300},
+        "train_policy": {
+            "steps": args.steps,
+            "prompts_per_step": args.prompts,
+            "micro_batch_size": 16 if args.prompts * args.k % 16 == 0 else args.k,
+            "lora_rank": 16,
+            "save_steps": args.steps,
+        },
     }
+    cfg = load_config(preset="local", overrides=overrides)
+    info = machine_info()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        prompts = str(work / "prompts.parquet")
+        write_artifact(prompts, "prompts", tasks.configured_prompts(cfg.data, "train"))
+        started = time.perf_counter()
+        train.launch(
+            "train-policy",
+            cfg,
+            prompts_uri=prompts,
+            policy=args.model,
+            generator=args.model,
+            out_uri=str(work / "policy"),
+            steps_uri=str(work / "steps"),
+            metrics_uri=str(work / "metrics.parquet"),
+            round_idx=1,
+        )
+        wall = time.perf_counter() - started
+        metrics = read_frame(str(work / "metrics.parquet"), "metrics")
+        timed = metrics[metrics["name"].isin(PARTS) & (metrics["step"] > 1)]
+        per_step = timed.groupby("name")["value"].mean().to_dict()
 
+        # The same scoring as separate stage processes, on the last step's rollouts.
+        step = work / "steps" / f"step-{args.steps:05d}"
+        config = work / "config.yaml"
+        config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+        out = work / "separate"
+        commands = {
+            "rubrics": ["rubrics", "--rollouts", str(step / "rollouts.parquet"), "--out", str(out / "rubrics.parquet")],
+            "judge": ["judge", "--rollouts", str(step / "rollouts.parquet"), "--rubrics", str(out / "rubrics.parquet"),
+                      "--out", str(out / "judgments.parquet")],
+            "aggregate": ["aggregate", "--judgments", str(out / "judgments.parquet"), "--rollouts",
+                          str(step / "rollouts.parquet"), "--rubrics", str(out / "rubrics.parquet"),
+                          "--out-scores", str(out / "s.parquet"), "--out-rewards", str(out / "r.parquet"),
+                          "--out-diagnostics", str(out / "d.parquet"), "--out-metrics", str(out / "m.parquet")],
+        }  # fmt: skip
+        separate = {}
+        for name, command in commands.items():
+            started = time.perf_counter()
+            subprocess.run(
+                [sys.executable, "-m", "dynamicrubric.cli", "stage", *command, "--config", str(config)],
+                check=True,
+                capture_output=True,
+            )
+            separate[name] = time.perf_counter() - started
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny-random")
-    ap.add_argument("--prompts", type=int, default=6)
-    ap.add_argument("--k", type=int, default=4, help="responses per prompt")
-    ap.add_argument("--words", type=int, default=48, help="words per response (about 1-2 tokens each)")
-    ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--lora-rank", type=int, default=16)
-    ap.add_argument("--gradient-checkpointing", action="store_true")
-    args = ap.parse_args()
-
-    runs = [run(args.model, mode, args) for mode in ("full", "lora")]
-    import torch
-
-    entry = {
-        "model": args.model,
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "rows": f"{args.prompts} prompts x {args.k} responses, ~{args.words} words each",
-        "micro_batch": args.micro_batch,
-        "lora_rank": args.lora_rank,
-        "gradient_checkpointing": args.gradient_checkpointing,
-        "runs": runs,
-        # the machines are shared: a high load average means the numbers are lower bounds
-        "load_average_1m_at_end": os.getloadavg()[0],
+    in_reward = per_step.get("time/reward_s", float("nan"))
+    result = {
+        "what": "online train-policy step split (dynamic reward) and the reward vs separate stage processes",
+        "command": f"python -m bench.bench_train --model {args.model}",
+        "machine": info,
+        "batch": f"{args.prompts} prompts x {args.k} completions, {args.max_new_tokens} new tokens, LoRA r=16",
+        "steps_averaged": args.steps - 1,
+        "per_step_s": {k.removeprefix("time/"): round(v, 2) for k, v in sorted(per_step.items())},
+        "separate_stage_processes_s": {k: round(v, 2) for k, v in separate.items()},
+        "separate_over_in_reward": round(sum(separate.values()) / in_reward, 2),
+        "stage_wall_s": round(wall, 1),
     }
     path = RESULTS / "train.json"
-    result = json.loads(path.read_text()) if path.exists() else {"benchmark": "train", "models": {}}
-    result["machine"] = machine_info()
-    result["models"][args.model] = entry
+    merged = json.loads(path.read_text()) if path.exists() else {}
+    merged = {k: v for k, v in merged.items() if isinstance(v, dict) and "per_step_s" in v}
+    merged[args.model] = result
+    write_result("train", merged)
     print_table(
-        [("model", args.model), ("rows", entry["rows"]), ("micro-batch", args.micro_batch)]
-        + [(f"{r['mode']} tokens/s (median of {r['steps'] - 1} steps)", r["tokens_per_s"]) for r in runs]
-        + [(f"{r['mode']} stage wall time, s", r["stage_wall_s"]) for r in runs]
+        [(f"per step: {k}", v) for k, v in result["per_step_s"].items()]
+        + [(f"separate: {k}", v) for k, v in result["separate_stage_processes_s"].items()]
+        + [("separate / in-reward", result["separate_over_in_reward"])]
     )
-    print("wrote", write_result("train", result))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

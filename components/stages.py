@@ -189,23 +189,25 @@ def train_evaluator(
     run_name: str,
     round_idx: int,
     generator_ref: str,
-    rubrics: Input[List[Dataset]],
-    rewards: Input[Dataset],
+    candidate_sets: Input[List[Dataset]],
+    anchors: Input[List[Dataset]],
     generator: Output[Model],
+    steps: Output[Artifact],
     metrics: Output[Dataset],
     generator_ckpt: Input[Model] = None,
 ):
-    from dynamicrubric import steps
+    from dynamicrubric import steps as run
 
     base = generator_ckpt.path if generator_ckpt is not None else generator_ref
-    steps.train_evaluator(
+    run.train_evaluator(
         config_yaml,
         run_name,
         round_idx,
-        [a.path for a in rubrics],
-        rewards.path,
+        [a.path for a in candidate_sets],
+        [a.path for a in anchors],
         base,
         generator.path,
+        steps.path,
         metrics.path,
     )
 
@@ -215,23 +217,27 @@ def train_policy(
     run_name: str,
     round_idx: int,
     policy_ref: str,
-    rollouts: Input[List[Dataset]],
-    scores: Input[Dataset],
+    generator_ref: str,
+    prompts: Input[Dataset],
     policy: Output[Model],
+    steps: Output[Artifact],
     metrics: Output[Dataset],
     policy_ckpt: Input[Model] = None,
+    generator_ckpt: Input[Model] = None,
 ):
-    from dynamicrubric import steps
+    from dynamicrubric import steps as run
 
     base = policy_ckpt.path if policy_ckpt is not None else policy_ref
-    steps.train_policy(
+    generator = generator_ckpt.path if generator_ckpt is not None else generator_ref
+    run.train_policy(
         config_yaml,
         run_name,
         round_idx,
-        [a.path for a in rollouts],
-        scores.path,
+        prompts.path,
         base,
+        generator,
         policy.path,
+        steps.path,
         metrics.path,
     )
 

@@ -1,21 +1,25 @@
 """The N-round co-evolution pipeline, built from a config at compile time.
 
 Round t (KFP v2 has no loops: rounds are unrolled when the pipeline is compiled):
-  generator stage: P_{t-1} samples K responses → candidate sets (+ anchor lists, ranked by verifiable
-                   correctness or by humans) → G rubric samples each → verifier judgments →
-                   aggregate (scores, R_disc, R_anchor) → train-evaluator → G_t
-  policy stage:    P_{t-1} samples again → G_t writes one rubric per set → judgments → aggregate →
-                   train-policy → P_t
+  generator stage: P_{t-1} samples K responses per training prompt → candidate sets (+ anchor lists,
+                   ranked by verifiable correctness or by humans) → train-evaluator: online GRPO on
+                   the generator (every step samples fresh rubrics for the sets, V judges them,
+                   R_disc + λ·R_anchor) → G_t
+  signal audit:    P_{t-1} samples the held-out probe prompts; G_{t-1} and G_t each write rubrics for
+                   those sets, V judges, and aggregate reports Δgap, tie rate and uniform rate before
+                   and after the generator update (the early-stop rule reads the "after" tie rate)
+  policy stage:    train-policy: online GRPO on P_{t-1} (every step samples fresh, G_t writes rubrics,
+                   V judges, the scores are the reward) → P_t
   evaluate:        G_t and P_t on held-out prompts and labelled lists, P_t vs P_{t-1}
-Rollout, rubrics and judging fan out over prompt shards (ParallelFor) and are collected for
-aggregation, so a run grows with the cluster rather than with one node.
+Rollout, candidates and the audit fan out over prompt shards (ParallelFor) and are collected for
+aggregation and training.
 
-Baselines run through the same pipeline: `rubrics.variant: static` scores the policy with rubrics
-written from the prompt alone by the untrained generator, and `judge.variant: pointwise` with the
-verifier's direct rating; neither has a generator stage.
+Baselines run through the same pipeline with no generator stage: `rubrics.variant: static` rewards
+the policy with rubrics written from the prompt alone by the untrained generator, `judge.variant:
+pointwise` with the verifier's direct rating, and `judge.variant: verifiable` with the task's checker.
 
-Each round adds 7·shards + 5 tasks to a dynamic run (4·shards + 3 to a baseline); keep a run under
-about 150 tasks, the size a cluster's Argo workflow object allows (etcd's 1.5 MiB cap).
+Keep a run under about 150 tasks, the size a cluster's Argo workflow object allows (etcd's 1.5 MiB
+cap); `task_count` says how many a config compiles to.
 """
 
 import contextlib
@@ -27,16 +31,17 @@ import yaml
 from kfp import dsl, kubernetes
 
 from dynamicrubric.components import stages
-from dynamicrubric.config import Config
+from dynamicrubric.config import Config, ConfigError
 from dynamicrubric.steps import round_seed
 
 S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
 
 
 def pipeline_variant(cfg: Config) -> str:
-    if cfg.judge.variant == "pointwise":
-        return "pointwise"
-    return cfg.rubrics.variant  # "dynamic" | "static"
+    """dynamic | static (rubrics.variant), pointwise or verifiable (judge.variant)."""
+    from dynamicrubric.rewards import policy_variant
+
+    return policy_variant(cfg)
 
 
 def default_run_name(cfg: Config) -> str:
@@ -53,12 +58,10 @@ def one_line_yaml(cfg: Config) -> str:
 
 
 def task_count(cfg: Config) -> int:
-    per_round = (
-        (7 * cfg.pipeline.shards + 5) if pipeline_variant(cfg) == "dynamic" else (4 * cfg.pipeline.shards + 3)
-    )
-    if pipeline_variant(cfg) == "pointwise":
-        per_round -= cfg.pipeline.shards  # no rubric tasks
-    return 2 + cfg.pipeline.rounds * per_round
+    shards, variant = cfg.pipeline.shards, pipeline_variant(cfg)
+    audit = {"dynamic": 5 * shards + 2, "static": 3 * shards + 1, "pointwise": 2 * shards + 1}.get(variant, 0)
+    generator = 2 * shards + 1 if variant == "dynamic" else 0
+    return 2 + cfg.pipeline.rounds * (generator + audit + 2)
 
 
 def _configure(cfg: Config, stage: str) -> Callable[[dsl.PipelineTask, str], dsl.PipelineTask]:
@@ -90,6 +93,13 @@ def _configure(cfg: Config, stage: str) -> Callable[[dsl.PipelineTask, str], dsl
 
 def build_pipeline(cfg: Config):
     """The pipeline function for `cfg` (its rounds, shards, variant and image are fixed here)."""
+    for stage, tcfg in (("train_policy", cfg.train_policy), ("train_evaluator", cfg.train_evaluator)):
+        gpus = cfg.pipeline.resources[stage].gpus if stage in cfg.pipeline.resources else 0
+        if gpus and gpus != tcfg.world_size:
+            raise ConfigError(
+                f"{stage}.world_size is {tcfg.world_size} but pipeline.resources.{stage}.gpus is {gpus}: "
+                "the training task runs one process per GPU it requests"
+            )
     c = stages.build(cfg.pipeline.image, cfg.pipeline.cpu_image)
     rounds, shards = cfg.pipeline.rounds, cfg.pipeline.shards
     variant = pipeline_variant(cfg)
@@ -111,8 +121,9 @@ def build_pipeline(cfg: Config):
         generator_ckpt: dict = {}
         conditions = contextlib.ExitStack()  # each round after an early-stop check runs inside its dsl.If
         for t in range(1, rounds + 1):
+            previous_generator = dict(generator_ckpt)  # G_{t-1}, for the audit's "before"
             if variant == "dynamic":
-                # ---- generator stage: G_t learns from P_{t-1}'s samples
+                # ---- generator stage: G_t learns online on P_{t-1}'s candidate sets
                 with dsl.ParallelFor(items=list(range(shards)), parallelism=shards) as shard:
                     ro = _configure(cfg, "rollout")(
                         c.rollout(
@@ -140,123 +151,104 @@ def build_pipeline(cfg: Config):
                         ),
                         f"r{t}-candidates",
                     )
-                    rub = _configure(cfg, "rubrics")(
-                        c.rubrics(
-                            **common,
-                            round_idx=t,
-                            label="generator",
-                            shard=shard,
-                            samples=cfg.rubrics.train_samples,
-                            seed=round_seed(cfg, t, 2),
-                            generator_ref=m.generator,
-                            candidate_sets=cand.outputs["candidate_sets"],
-                            **generator_ckpt,
-                        ),
-                        f"r{t}-generator-rubrics",
-                    )
-                    jd = _configure(cfg, "judge")(
-                        c.judge(
-                            **common,
-                            round_idx=t,
-                            label="generator",
-                            shard=shard,
-                            verifier_ref=m.verifier,
-                            candidate_sets=cand.outputs["candidate_sets"],
-                            rubrics=rub.outputs["rubrics"],
-                        ),
-                        f"r{t}-generator-judge",
-                    )
-                agg = _configure(cfg, "aggregate")(
-                    c.aggregate(
-                        **common,
-                        round_idx=t,
-                        label="generator",
-                        judgments=dsl.Collected(jd.outputs["judgments"]),
-                        candidate_sets=dsl.Collected(cand.outputs["candidate_sets"]),
-                        rubrics=dsl.Collected(rub.outputs["rubrics"]),
-                        anchors=dsl.Collected(cand.outputs["anchors"]),
-                    ),
-                    f"r{t}-generator-aggregate",
-                )
                 te = _configure(cfg, "train_evaluator")(
                     c.train_evaluator(
                         **common,
                         round_idx=t,
                         generator_ref=m.generator,
-                        rubrics=dsl.Collected(rub.outputs["rubrics"]),
-                        rewards=agg.outputs["rewards"],
+                        candidate_sets=dsl.Collected(cand.outputs["candidate_sets"]),
+                        anchors=dsl.Collected(cand.outputs["anchors"]),
                         **generator_ckpt,
                     ),
                     f"r{t}-train-evaluator",
                 )
                 generator_ckpt = {"generator_ckpt": te.outputs["generator"]}
 
-            # ---- policy stage: P_t learns from G_t's scores of P_{t-1}'s samples
-            with dsl.ParallelFor(items=list(range(shards)), parallelism=shards) as shard:
-                ro = _configure(cfg, "rollout")(
-                    c.rollout(
-                        **common,
-                        round_idx=t,
-                        label="policy",
-                        shard=shard,
-                        num_shards=shards,
-                        seed=round_seed(cfg, t, 1),
-                        policy_ref=m.policy,
-                        prompts=data.outputs["train_prompts"],
-                        **policy_ckpt,
-                    ),
-                    f"r{t}-policy-rollout",
+            # ---- signal audit: the round's evaluator (before and after its update) on P_{t-1}'s probe samples
+            audit_tie_rate = None
+            if variant != "verifiable":
+                scorers = (
+                    {"before": previous_generator, "after": generator_ckpt}
+                    if variant == "dynamic"
+                    else {"": {}}
                 )
-                rubric_input = {}
-                if variant != "pointwise":
-                    rub = _configure(cfg, "rubrics")(
-                        c.rubrics(
+                judged: dict = {name: ([], []) for name in scorers}
+                with dsl.ParallelFor(items=list(range(shards)), parallelism=shards) as shard:
+                    probe = _configure(cfg, "rollout")(
+                        c.rollout(
                             **common,
                             round_idx=t,
-                            label="policy",
+                            label="audit",
                             shard=shard,
-                            samples=cfg.rubrics.samples,
-                            seed=round_seed(cfg, t, 3),
-                            generator_ref=m.generator,
-                            candidate_sets=ro.outputs["rollouts"],
-                            **generator_ckpt,
+                            num_shards=shards,
+                            seed=round_seed(cfg, t, 4),
+                            policy_ref=m.policy,
+                            prompts=data.outputs["eval_prompts"],
+                            **policy_ckpt,
                         ),
-                        f"r{t}-policy-rubrics",
+                        f"r{t}-audit-rollout",
                     )
-                    rubric_input = {"rubrics": rub.outputs["rubrics"]}
-                jd = _configure(cfg, "judge")(
-                    c.judge(
-                        **common,
-                        round_idx=t,
-                        label="policy",
-                        shard=shard,
-                        verifier_ref=m.verifier,
-                        candidate_sets=ro.outputs["rollouts"],
-                        **rubric_input,
-                    ),
-                    f"r{t}-policy-judge",
-                )
-            collected_rubrics = {"rubrics": dsl.Collected(rub.outputs["rubrics"])} if rubric_input else {}
-            agg = _configure(cfg, "aggregate")(
-                c.aggregate(
-                    **common,
-                    round_idx=t,
-                    label="policy",
-                    judgments=dsl.Collected(jd.outputs["judgments"]),
-                    candidate_sets=dsl.Collected(ro.outputs["rollouts"]),
-                    prompts=data.outputs["train_prompts"],
-                    **collected_rubrics,
-                ),
-                f"r{t}-policy-aggregate",
-            )
+                    for name, generator in scorers.items():
+                        label = f"audit-{name}" if name else "audit"
+                        rubric_input = {}
+                        if variant != "pointwise":
+                            rub = _configure(cfg, "rubrics")(
+                                c.rubrics(
+                                    **common,
+                                    round_idx=t,
+                                    label=label,
+                                    shard=shard,
+                                    samples=cfg.rubrics.samples,
+                                    seed=round_seed(
+                                        cfg, t, 5
+                                    ),  # the same for both: only the generator differs
+                                    generator_ref=m.generator,
+                                    candidate_sets=probe.outputs["rollouts"],
+                                    **generator,
+                                ),
+                                f"r{t}-{label}-rubrics",
+                            )
+                            rubric_input = {"rubrics": rub.outputs["rubrics"]}
+                        jd = _configure(cfg, "judge")(
+                            c.judge(
+                                **common,
+                                round_idx=t,
+                                label=label,
+                                shard=shard,
+                                verifier_ref=m.verifier,
+                                candidate_sets=probe.outputs["rollouts"],
+                                **rubric_input,
+                            ),
+                            f"r{t}-{label}-judge",
+                        )
+                        judged[name] = (jd, rubric_input)
+                for name, (jd, rubric_input) in judged.items():
+                    label = f"audit-{name}" if name else "audit"
+                    collected = {"rubrics": dsl.Collected(rubric_input["rubrics"])} if rubric_input else {}
+                    agg = _configure(cfg, "aggregate")(
+                        c.aggregate(
+                            **common,
+                            round_idx=t,
+                            label=label,
+                            judgments=dsl.Collected(jd.outputs["judgments"]),
+                            candidate_sets=dsl.Collected(probe.outputs["rollouts"]),
+                            prompts=data.outputs["eval_prompts"],
+                            **collected,
+                        ),
+                        f"r{t}-{label}-aggregate",
+                    )
+                    audit_tie_rate = agg.outputs["Output"]  # the last one: "after" for dynamic
+
+            # ---- policy stage: P_t learns online, rewarded by the round's evaluator
             tp = _configure(cfg, "train_policy")(
                 c.train_policy(
                     **common,
                     round_idx=t,
                     policy_ref=m.policy,
-                    rollouts=dsl.Collected(ro.outputs["rollouts"]),
-                    scores=agg.outputs["scores"],
+                    generator_ref=m.generator,
+                    prompts=data.outputs["train_prompts"],
                     **policy_ckpt,
+                    **generator_ckpt,
                 ),
                 f"r{t}-train-policy",
             )
@@ -276,12 +268,11 @@ def build_pipeline(cfg: Config):
                 f"r{t}-evaluate",
             )
             policy_ckpt = {"policy_ckpt": tp.outputs["policy"]}
-            if cfg.pipeline.early_stop_tie_rate is not None and t < rounds:
-                # the aggregate task returns the policy-stage tie rate
+            if cfg.pipeline.early_stop_tie_rate is not None and t < rounds and audit_tie_rate is not None:
+                # stop once the round's evaluator ties P_{t-1}'s probe samples this often
                 conditions.enter_context(
                     dsl.If(
-                        agg.outputs["Output"] < cfg.pipeline.early_stop_tie_rate,
-                        name=f"continue-after-round-{t}",
+                        audit_tie_rate < cfg.pipeline.early_stop_tie_rate, name=f"continue-after-round-{t}"
                     )
                 )
         conditions.close()

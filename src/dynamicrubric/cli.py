@@ -185,14 +185,16 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
 def cmd_train_evaluator(args: argparse.Namespace) -> int:
     from dynamicrubric import steps
 
+    cfg = _config(args)
     result = steps.train_evaluator(
-        _config(args).to_yaml(),
+        cfg.to_yaml(),
         "",
         args.round,
-        args.rubrics,
-        args.rewards,
-        args.generator,
+        args.candidate_sets,
+        args.anchors or [],
+        args.generator or cfg.models.generator,
         args.out,
+        args.out_steps,
         args.metrics,
     )
     return _print_counts("train-evaluator", result)
@@ -201,14 +203,16 @@ def cmd_train_evaluator(args: argparse.Namespace) -> int:
 def cmd_train_policy(args: argparse.Namespace) -> int:
     from dynamicrubric import steps
 
+    cfg = _config(args)
     result = steps.train_policy(
-        _config(args).to_yaml(),
+        cfg.to_yaml(),
         "",
         args.round,
-        args.rollouts,
-        args.scores,
-        args.policy,
+        args.prompts,
+        args.policy or cfg.models.policy,
+        args.generator or cfg.models.generator,
         args.out,
+        args.out_steps,
         args.metrics,
     )
     return _print_counts("train-policy", result)
@@ -344,24 +348,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label", default="policy", help="which stage of the round: generator | policy")
 
     p = _stage_parser(
-        stages, "train-evaluator", "GRPO on the generator with R_disc + λ·R_anchor", cmd_train_evaluator
+        stages,
+        "train-evaluator",
+        "online GRPO on the generator over candidate sets, rewarded with R_disc + λ·R_anchor",
+        cmd_train_evaluator,
     )
     p.add_argument(
-        "--rubrics", required=True, nargs="+", metavar="URI", help="rubric samples (one per shard)"
+        "--candidate-sets", required=True, nargs="+", metavar="URI", help="candidate sets (one per shard)"
     )
-    p.add_argument("--rewards", required=True, metavar="URI")
-    p.add_argument("--generator", required=True, help="the generator to start from (reference or checkpoint)")
+    p.add_argument("--anchors", nargs="+", metavar="URI", help="their reference rankings (for R_anchor)")
+    p.add_argument("--generator", help="the generator to start from (default: models.generator)")
     p.add_argument("--out", required=True, metavar="URI", help="checkpoint folder to write")
+    p.add_argument("--out-steps", required=True, metavar="URI", help="folder for the per-step artifacts")
     p.add_argument("--metrics", required=True, metavar="URI", help="per-step metrics artifact to write")
     p.add_argument("--round", type=int, default=0)
 
     p = _stage_parser(
-        stages, "train-policy", "GRPO on the policy with the aggregated scores", cmd_train_policy
+        stages,
+        "train-policy",
+        "online GRPO on the policy, rewarded by the configured evaluator",
+        cmd_train_policy,
     )
-    p.add_argument("--rollouts", required=True, nargs="+", metavar="URI", help="rollouts (one per shard)")
-    p.add_argument("--scores", required=True, metavar="URI")
-    p.add_argument("--policy", required=True, help="the policy to start from (reference or checkpoint)")
+    p.add_argument("--prompts", required=True, metavar="URI", help="the prompt pool (prompts artifact)")
+    p.add_argument("--policy", help="the policy to start from (default: models.policy)")
+    p.add_argument("--generator", help="G_t, for the dynamic and static rewards (default: models.generator)")
     p.add_argument("--out", required=True, metavar="URI", help="checkpoint folder to write")
+    p.add_argument("--out-steps", required=True, metavar="URI", help="folder for the per-step artifacts")
     p.add_argument("--metrics", required=True, metavar="URI", help="per-step metrics artifact to write")
     p.add_argument("--round", type=int, default=0)
 

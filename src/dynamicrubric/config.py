@@ -71,10 +71,15 @@ class RubricsConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(256, ge=16)
     max_response_chars: int = Field(1200, ge=50)  # each response is cut to this in the generator prompt
+    constrained: bool = (
+        True  # decode rubrics under their JSON schema (xgrammar on HF, vLLM structured outputs)
+    )
 
 
 class JudgeConfig(Section):
-    variant: Literal["rubric", "pointwise"] = "rubric"
+    # rubric: the verifier judges each rubric item; pointwise: the verifier rates each response alone;
+    # verifiable: no evaluator, the task's own checker is the reward (the RLVR reference).
+    variant: Literal["rubric", "pointwise", "verifiable"] = "rubric"
     batch_size: int = Field(32, ge=1)
     max_response_chars: int = Field(2000, ge=50)
 
@@ -84,20 +89,31 @@ class AggregateConfig(Section):
 
 
 class TrainConfig(Section):
+    """Online GRPO with TRL's GRPOTrainer: every step samples fresh completions and scores them.
+
+    One optimiser step = `prompts_per_step` prompts × num_generations completions (the policy's K, the
+    generator's G rubric samples), split over `world_size` processes in micro-batches of
+    `micro_batch_size` completions (gradient accumulation makes up the rest).
+    """
+
+    steps: int = Field(4, ge=1)  # optimiser steps per round
+    prompts_per_step: int = Field(2, ge=1)
+    micro_batch_size: int = Field(8, ge=1)  # completions per forward/backward on one process
     learning_rate: float = Field(1e-5, gt=0)
-    epochs: int = Field(1, ge=1)  # passes over the round's samples (ratio != 1 after the first)
-    micro_batch_size: int = Field(4, ge=1)
-    grad_accum: int = Field(1, ge=1)
-    beta: float = Field(0.01, ge=0)  # KL coefficient (k3 estimator) to the frozen reference
+    beta: float = Field(0.01, ge=0)  # KL to the round's starting model (the reference)
     clip_eps: float = Field(0.2, gt=0)
-    scale_rewards: bool = True  # False: Dr. GRPO, no std division
-    loss_averaging: Literal["token", "sequence"] = "token"
-    lora_rank: int = Field(0, ge=0)  # 0: full finetune; >0: LoRA merged into the saved checkpoint
+    # dapo: the policy-gradient loss is averaged over every completion token of the step, so long and
+    # short completions weigh per token (no length bias) and the scale does not depend on max length.
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = "dapo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"  # group: the paper's group-normalised A
+    lora_rank: int = Field(0, ge=0)  # 0: full finetune
     lora_alpha: int = Field(32, ge=1)
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # slow for small models on CPU; on for 8B on GPU
+    bf16: bool | None = None  # None: on with CUDA, off on CPU (bf16 is ~3x slower without AVX-512)
     max_grad_norm: float = Field(1.0, gt=0)
-    save_every: int = Field(1, ge=1)  # optimiser steps between resumable checkpoints
-    world_size: int = Field(1, ge=1)  # processes under torchrun on a GPU node (FSDP when > 1)
+    save_steps: int = Field(1, ge=1)  # steps between resumable trainer checkpoints in the store
+    world_size: int = Field(1, ge=1)  # training processes (one per GPU the task requests)
+    torch_threads: int | None = Field(None, ge=1)  # None: torch's default
     seed: int = 0
 
 

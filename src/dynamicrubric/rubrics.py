@@ -46,6 +46,38 @@ def rubric_requests(rollouts: pd.DataFrame, cfg: Config, variant: str, seed: int
     return pd.DataFrame(requests)
 
 
+def rubric_rows(
+    prompt_id: str,
+    generator_prompt: str,
+    completions: list[str],
+    finish_reasons: list[str],
+    *,
+    variant: str,
+    generator: str,
+    num_items: int,
+) -> list[dict]:
+    """The rubric samples written for one candidate set, parsed, as rows of the `rubrics` artifact.
+
+    The standalone stage and the generator's online trainer both build their rows here."""
+    rows = []
+    for g, (completion, reason) in enumerate(zip(completions, finish_reasons, strict=True)):
+        parsed = parse_rubric(completion, num_items)
+        rows.append(
+            {
+                "prompt_id": prompt_id,
+                "rubric_idx": g,
+                "variant": variant,
+                "generator": generator,
+                "generator_prompt": generator_prompt,
+                "completion": completion,
+                "finish_reason": reason,
+                "parse_status": parsed.status,
+                "items": parsed.items,
+            }
+        )
+    return rows
+
+
 def run_rubrics(
     rollouts_uri: str,
     out_uri: str,
@@ -77,21 +109,15 @@ def run_rubrics(
     )
     rows = []
     for request, gen in zip(requests.itertuples(), generations, strict=True):
-        for g, (completion, finish_reason) in enumerate(zip(gen.texts, gen.finish_reasons, strict=True)):
-            parsed = parse_rubric(completion, rc.num_items)
-            rows.append(
-                {
-                    "prompt_id": request.prompt_id,
-                    "rubric_idx": g,
-                    "variant": variant,
-                    "generator": generator,
-                    "generator_prompt": request.generator_prompt,
-                    "completion": completion,
-                    "finish_reason": finish_reason,
-                    "parse_status": parsed.status,
-                    "items": parsed.items,
-                }
-            )
+        rows += rubric_rows(
+            request.prompt_id,
+            request.generator_prompt,
+            gen.texts,
+            gen.finish_reasons,
+            variant=variant,
+            generator=generator,
+            num_items=rc.num_items,
+        )
     rubrics = pd.DataFrame(rows)
     write_artifact(out_uri, "rubrics", rubrics)
     empty = int((rubrics["parse_status"] == "empty").sum())

@@ -294,32 +294,37 @@ def train_evaluator(
     config_yaml: str,
     run_name: str,
     round_idx: int,
-    rubrics: list[str],
-    rewards: str,
+    candidate_sets: list[str],
+    anchors: list[str],
     generator: str,
     out_model: str,
+    out_steps: str,
     out_metrics: str,
 ) -> dict:
-    from dynamicrubric.train import train_evaluator as run_train
+    """Online GRPO on the generator over P_{t−1}'s candidate sets (see dynamicrubric.train)."""
+    from dynamicrubric import train
 
     started = time.perf_counter()
     cfg = _setup(config_yaml)
-    with tempfile.TemporaryDirectory() as work:
-        result = run_train(
-            _merged(rubrics, "rubrics", work),
-            rewards,
-            generator,
-            out_model,
-            cfg.train_evaluator,
-            metrics_uri=out_metrics,
-            round_idx=round_idx,
-        )
+    result = train.launch(
+        "train-evaluator",
+        cfg,
+        candidates=list(candidate_sets),
+        anchors=list(anchors),
+        generator=generator,
+        verifier=cfg.models.verifier,
+        out_uri=out_model,
+        steps_uri=out_steps,
+        metrics_uri=out_metrics,
+        round_idx=round_idx,
+    )
     with tracking.stage_run(cfg, run_name, round_idx, "train_evaluator", started=started) as run:
         if run:
-            run.log_params({"generator": generator})
-            for uri in rubrics:
-                run.log_artifact_dataset(uri, "rubrics", "input")
-            run.log_artifact_dataset(rewards, "rewards", "input")
+            run.log_params({"generator": generator, "verifier": cfg.models.verifier})
+            for uri in candidate_sets:
+                run.log_artifact_dataset(uri, "rollouts", "input")
+            for uri in anchors:
+                run.log_artifact_dataset(uri, "anchors", "input")
             run.log_metrics_table(out_metrics)
             run.log_model(run_name, f"generator-round-{round_idx}", out_model, {"base": generator})
     return result
@@ -329,32 +334,34 @@ def train_policy(
     config_yaml: str,
     run_name: str,
     round_idx: int,
-    rollouts: list[str],
-    scores: str,
+    prompts: str,
     policy: str,
+    generator: str,
     out_model: str,
+    out_steps: str,
     out_metrics: str,
 ) -> dict:
-    from dynamicrubric.train import train_policy as run_train
+    """Online GRPO on the policy, rewarded by the round's evaluator (see dynamicrubric.train)."""
+    from dynamicrubric import train
 
     started = time.perf_counter()
     cfg = _setup(config_yaml)
-    with tempfile.TemporaryDirectory() as work:
-        result = run_train(
-            _merged(rollouts, "rollouts", work),
-            scores,
-            policy,
-            out_model,
-            cfg.train_policy,
-            metrics_uri=out_metrics,
-            round_idx=round_idx,
-        )
+    result = train.launch(
+        "train-policy",
+        cfg,
+        prompts_uri=prompts,
+        policy=policy,
+        generator=generator,
+        verifier=cfg.models.verifier,
+        out_uri=out_model,
+        steps_uri=out_steps,
+        metrics_uri=out_metrics,
+        round_idx=round_idx,
+    )
     with tracking.stage_run(cfg, run_name, round_idx, "train_policy", started=started) as run:
         if run:
-            run.log_params({"policy": policy})
-            for uri in rollouts:
-                run.log_artifact_dataset(uri, "rollouts", "input")
-            run.log_artifact_dataset(scores, "scores", "input")
+            run.log_params({"policy": policy, "generator": generator, "verifier": cfg.models.verifier})
+            run.log_artifact_dataset(prompts, "prompts", "input")
             run.log_metrics_table(out_metrics)
             run.log_model(run_name, f"policy-round-{round_idx}", out_model, {"base": policy})
     return result
