@@ -20,10 +20,11 @@ from typing import Any
 
 MAX_ITEM_CHARS = 200  # one criterion is a sentence; the bound also bounds a rubric's token count
 MIN_ITEM_CHARS = 3  # parse_rubric drops shorter texts as "too short to be a criterion"
-# An item's text: printable characters other than '"' and '\\' (so it needs no JSON escape), 3..200 of
-# them. A pattern rather than minLength/maxLength: xgrammar 0.2.8's length-bounded JSON string lets
-# raw control characters through, which json.loads (and so parse_rubric) rejects.
-ITEM_TEXT_PATTERN = rf"^[ -!#-\[\]-\U0010FFFF]{{{MIN_ITEM_CHARS},{MAX_ITEM_CHARS}}}$"
+# An item's text: 3..200 characters, none of them a control character, '"' or '\\' (so it needs no
+# JSON escape) or a UTF-16 surrogate (its UTF-8 bytes are invalid and decode to replacement characters).
+# A pattern rather than minLength/maxLength: xgrammar 0.2.8's length-bounded JSON string lets raw
+# control characters through, which json.loads (and so parse_rubric) rejects.
+ITEM_TEXT_PATTERN = rf"^[ -!#-\[\]-\uD7FF\uE000-\U0010FFFF]{{{MIN_ITEM_CHARS},{MAX_ITEM_CHARS}}}$"
 
 _lock = threading.Lock()
 # (id(tokenizer), vocab_size, stop ids, max_items) -> (tokenizer, compiled grammar). The tokenizer is
