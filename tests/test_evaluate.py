@@ -368,3 +368,57 @@ def test_plots_go_to_s3(s3_env):
     assert store.is_complete(uri)
     for name in PLOT_NAMES:
         assert store.read_bytes(f"{uri}/{name}")[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_evaluate_holds_one_engine_at_a_time(tmp_path, monkeypatch):
+    """Four roles on four model references: each is loaded once, and a model is freed before the next
+    loads (at paper scale two vLLM engines cannot share a GPU)."""
+    import shutil
+
+    from dynamicrubric import evaluate
+    from dynamicrubric.models import resolve_model
+
+    refs = {}
+    for role in ("previous", "generator"):
+        refs[role] = str(tmp_path / role)
+        shutil.copytree(resolve_model("tiny-random"), refs[role])
+    live: list[str] = []
+    events: list[tuple[str, int]] = []
+    real_load = evaluate.load_engine
+
+    def load(ref, cfg):  # the real engine, with its lifetime recorded
+        engine = real_load(ref, cfg)
+        close = engine.close
+
+        def recorded_close() -> None:
+            live.remove(ref)
+            close()
+
+        engine.close = recorded_close
+        live.append(ref)
+        events.append((ref, len(live)))
+        return engine
+
+    monkeypatch.setattr(evaluate, "load_engine", load)
+    cfg = load_config(
+        preset="tiny",
+        overrides={
+            "rollout": {"max_new_tokens": 8},
+            "rubrics": {"max_new_tokens": 24},
+            "evaluate": {"samples": 2, "sandbox_timeout_s": 5},
+        },
+    )
+    result = run_evaluate(
+        _eval_prompts(tmp_path),
+        str(tmp_path / "metrics.parquet"),
+        str(tmp_path / "plots"),
+        cfg,
+        policy="tiny-random",
+        generator=refs["generator"],
+        verifier="tiny-random",
+        previous_policy=refs["previous"],
+        labelled_uris=_write_labelled(tmp_path),
+    )
+    assert [ref for ref, _ in events] == ["tiny-random", refs["previous"], refs["generator"], "tiny-random"]
+    assert max(n for _, n in events) == 1 and live == []  # never two at once, none left behind
+    assert result["policy/win_rate_prompts"] == 3 and "dynamic/pairwise_accuracy" in result

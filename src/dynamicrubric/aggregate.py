@@ -79,6 +79,7 @@ def aggregate(
     """
     sets = _candidate_sets(rollouts)
     j = _index_judgments(judgments, sets, rubrics)
+    _refuse_unscored(judgments)
     v = _floats(judgments, "p_yes") if soft else _column(judgments, "verdict", "judgments").astype(np.float64)
 
     # Slot layouts: group g owns K_g consecutive score slots, item i owns K_i consecutive verdict slots.
@@ -597,6 +598,19 @@ def _column(frame: Frame, name: str, table: str) -> np.ndarray:
 
 def _ints(frame: Frame, name: str, table: str) -> np.ndarray:
     return _column(frame, name, table).astype(np.int64, copy=False)
+
+
+def _refuse_unscored(judgments: Frame) -> None:
+    """The judge writes p_yes NaN for a verdict it could not score: never count that as a yes or a no."""
+    names = judgments.column_names if isinstance(judgments, pa.Table) else judgments.columns
+    if "p_yes" not in names:
+        return
+    unscored = int(np.isnan(_column(judgments, "p_yes", "judgments").astype(np.float64)).sum())
+    if unscored:
+        raise AggregateError(
+            f"judgments: {unscored} verdict(s) could not be scored by the verifier (p_yes NaN); "
+            "rerun the judge stage with an engine that returns the label tokens' log-probs"
+        )
 
 
 def _floats(frame: Frame, name: str) -> np.ndarray:

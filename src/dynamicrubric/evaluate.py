@@ -23,13 +23,13 @@ hold no information about order and are left out of the accuracy metrics.
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import os
 import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -329,32 +329,38 @@ def outcome_lists(scored: pd.DataFrame, prompts: pd.DataFrame) -> pd.DataFrame:
 
 
 class _Engines:
-    """Each model loaded at most once per call; released when no later phase needs it."""
+    """Holds at most one engine that it loaded itself: asking for another model frees the current one.
+
+    One at a time rather than sized together: at paper scale every role is an 8B model and a vLLM
+    engine claims `gpu_memory_utilization` (0.85) of its GPU, so two engines cannot share one GPU, and
+    splitting the memory between them would halve each one's KV cache (batch size) for the whole
+    stage. The stage is ordered so that each model is needed in one phase only (policy, previous
+    policy, generator, verifier), so at most four loads happen per evaluate call; a model given by
+    the caller (`preloaded`) is used as is and never freed here."""
 
     def __init__(self, cfg: Config, preloaded: dict[str, Engine] | None) -> None:
         self.cfg = cfg
-        self.loaded: dict[str, Engine] = dict(preloaded or {})
-        self.preloaded = set(self.loaded)
+        self.preloaded: dict[str, Engine] = dict(preloaded or {})
+        self.ref: str | None = None
+        self.engine: Engine | None = None
+        self.loads = 0
 
     def get(self, ref: str) -> Engine:
-        if ref not in self.loaded:
-            self.loaded[ref] = load_engine(ref, self.cfg.engine)
-        return self.loaded[ref]
+        if ref in self.preloaded:
+            return self.preloaded[ref]
+        if self.ref != ref:
+            self.release()
+            self.engine = load_engine(ref, self.cfg.engine)
+            self.ref = ref
+            self.loads += 1
+        assert self.engine is not None
+        return self.engine
 
-    def keep_only(self, refs: set[str]) -> None:
-        """Drop the engines (not given by the caller) that no later phase uses, freeing their memory."""
-        dropped = [r for r in self.loaded if r not in refs and r not in self.preloaded]
-        for ref in dropped:
-            del self.loaded[ref]
-        if dropped:
-            gc.collect()
-            try:
-                import torch
-
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-            except ImportError:
-                pass
+    def release(self) -> None:
+        """Free the engine this pool loaded (engine.close(): del, gc, CUDA cache / vLLM shutdown)."""
+        if self.engine is not None:
+            self.engine.close()
+        self.engine, self.ref = None, None
 
 
 def _score_samples(rollouts: pd.DataFrame, prompts: pd.DataFrame, timeout_s: float) -> pd.DataFrame:
@@ -446,60 +452,69 @@ def _accuracy_by_origin(lists: pd.DataFrame) -> dict[str, float]:
     }
 
 
+@dataclass
+class _EvalJob:
+    """One set of responses scored by one evaluator variant, through temporary artifacts."""
+
+    name: str
+    rollouts: pd.DataFrame
+    variant: str
+    rollouts_uri: str = ""
+    rubrics_uri: str | None = None
+
+
 def _evaluator_scores(
-    rollouts: pd.DataFrame,
-    variant: str,
+    jobs: list[_EvalJob],
     cfg: Config,
     workdir: Path,
     engines: _Engines,
     *,
-    name: str,
     generator: str,
     verifier: str,
     seed: int,
-) -> pd.DataFrame:
-    """Score every response of `rollouts` with one evaluator variant: (prompt_id, sample_idx, score).
+) -> dict[str, pd.DataFrame]:
+    """Score every response of every job: job name -> (prompt_id, sample_idx, score).
 
     Runs the rubric and judge stages in process on temporary artifacts (so the evaluate stage measures
-    exactly what the training rounds use). Scores of several rubric samples are averaged.
-    """
-    rollouts_uri = str(workdir / f"{name}.rollouts.parquet")
-    write_artifact(rollouts_uri, "rollouts", rollouts)
-    rubrics_uri = None
-    if variant != "pointwise":
-        rubrics_uri = str(workdir / f"{name}.rubrics.parquet")
-        run_rubrics(
-            rollouts_uri,
-            rubrics_uri,
-            cfg,
-            generator=generator,
-            variant=variant,
-            seed=seed,
-            engine=engines.get(generator),
-        )
-    judgments_uri = str(workdir / f"{name}.judgments.parquet")
-    judge_cfg = cfg.model_copy(
-        update={
-            "judge": cfg.judge.model_copy(
-                update={"variant": "pointwise" if rubrics_uri is None else "rubric"}
+    exactly what the training rounds use): first every job's rubrics with the generator, then every
+    job's judgments with the verifier, so each model is loaded once. Scores of several rubric samples
+    are averaged."""
+    for job in jobs:
+        job.rollouts_uri = str(workdir / f"{job.name}.rollouts.parquet")
+        write_artifact(job.rollouts_uri, "rollouts", job.rollouts)
+    for job in jobs:
+        if job.variant != "pointwise":
+            job.rubrics_uri = str(workdir / f"{job.name}.rubrics.parquet")
+            run_rubrics(
+                job.rollouts_uri,
+                job.rubrics_uri,
+                cfg,
+                generator=generator,
+                variant=job.variant,
+                seed=seed,
+                engine=engines.get(generator),
             )
-        }
-    )
-    run_judge(
-        rollouts_uri,
-        judgments_uri,
-        judge_cfg,
-        rubrics_uri=rubrics_uri,
-        verifier=verifier,
-        engine=engines.get(verifier),
-    )
-    scores = score_responses(
-        read_artifact(judgments_uri, "judgments"),
-        read_artifact(rollouts_uri, "rollouts"),
-        read_artifact(rubrics_uri, "rubrics") if rubrics_uri else None,
-        soft=cfg.aggregate.soft,
-    )
-    return scores.groupby(["prompt_id", "sample_idx"], as_index=False)["score"].mean()
+    out = {}
+    for job in jobs:
+        judgments_uri = str(workdir / f"{job.name}.judgments.parquet")
+        variant = "pointwise" if job.rubrics_uri is None else "rubric"
+        judge_cfg = cfg.model_copy(update={"judge": cfg.judge.model_copy(update={"variant": variant})})
+        run_judge(
+            job.rollouts_uri,
+            judgments_uri,
+            judge_cfg,
+            rubrics_uri=job.rubrics_uri,
+            verifier=verifier,
+            engine=engines.get(verifier),
+        )
+        scores = score_responses(
+            read_artifact(judgments_uri, "judgments"),
+            read_artifact(job.rollouts_uri, "rollouts"),
+            read_artifact(job.rubrics_uri, "rubrics") if job.rubrics_uri else None,
+            soft=cfg.aggregate.soft,
+        )
+        out[job.name] = scores.groupby(["prompt_id", "sample_idx"], as_index=False)["score"].mean()
+    return out
 
 
 def run_evaluate(
@@ -520,10 +535,10 @@ def run_evaluate(
     """The evaluate stage; returns every metric as a flat dict "<variant>/<name>" -> value.
 
     Model references (local folders, hub ids or built-in names) default to cfg.models; `engines`
-    (model ref -> Engine) lets a caller reuse engines it already holds. Each model is loaded once per
-    call: the policies first (released once they have sampled, unless they also judge), then the
-    generator and the verifier, shared by every variant and the win rate. `labelled_uris` are user
-    files of anchors artifacts, Nectar answers or chosen/rejected pairs (JSONL or Parquet).
+    (model ref -> Engine) lets a caller reuse engines it already holds. The stage holds one model at a
+    time (see `_Engines`): the policy samples, then the previous policy, then the generator writes
+    every rubric (all variants and the win rate), then the verifier judges them all. `labelled_uris`
+    are user files of anchors artifacts, Nectar answers or chosen/rejected pairs (JSONL or Parquet).
     """
     ev = cfg.evaluate
     variants = list(dict.fromkeys(ev.variants))  # each once, in the configured order
@@ -549,51 +564,51 @@ def run_evaluate(
         previous = sample_rollouts(
             pool.get(previous_policy), prompts, prev_cfg, seed=seed, policy=previous_policy
         )
-    pool.keep_only({generator, verifier})
     scored = _score_samples(rollouts, prompts, ev.sandbox_timeout_s)
     rows += [("policy", name, value) for name, value in policy_metrics(scored, ev.samples).items()]
     rows.append(("policy", "samples", float(len(scored))))
 
-    # (2) Labelled lists, scored by each evaluator variant.
+    # (2) Labelled lists scored by each evaluator variant, and (3) the win rate over the previous
+    # policy, judged by a dynamic rubric over the pair: one generator phase, one verifier phase.
     lists, counts = _labelled_lists(scored, prompts, labelled_uris)
-    evaluated: dict[str, pd.DataFrame] = {}
+    jobs: list[_EvalJob] = []
+    if lists.empty:
+        log.warning(
+            "evaluate: no labelled list with two distinct outcomes (%d skipped); evaluator metrics "
+            "of %s are skipped",
+            int(counts["labelled_lists_skipped"]),
+            variants,
+        )
+    else:
+        as_rollouts = _as_rollouts(lists)
+        jobs += [_EvalJob(f"labelled-{v}", as_rollouts, v) for v in variants]
+    if previous is not None:
+        current = rollouts[rollouts["sample_idx"] == 0]
+        pair = pd.concat(
+            [current.assign(sample_idx=0), previous.assign(sample_idx=1)], ignore_index=True
+        ).sort_values(["prompt_id", "sample_idx"], kind="stable")
+        jobs.append(_EvalJob("win-rate", pair, "dynamic"))
     with tempfile.TemporaryDirectory(prefix="dynrubric-evaluate-") as tmp:
-        workdir = Path(tmp)
-        if lists.empty:
-            log.warning(
-                "evaluate: no labelled list with two distinct outcomes (%d skipped); evaluator metrics "
-                "of %s are skipped",
-                int(counts["labelled_lists_skipped"]),
-                variants,
-            )
-        else:
-            as_rollouts = _as_rollouts(lists)
-            for variant in variants:
-                scores = _evaluator_scores(
-                    as_rollouts, variant, cfg, workdir, pool, name=f"labelled-{variant}", **roles
-                )
-                merged = lists.merge(
-                    scores.rename(columns={"prompt_id": "list_id"}), on=["list_id", "sample_idx"], how="left"
-                )
-                evaluated[variant] = merged
-        for variant in variants:
-            values = evaluator_metrics(evaluated[variant]) if variant in evaluated else {}
-            values.update(counts)
-            if variant in evaluated and labelled_uris:
-                values.update(_accuracy_by_origin(evaluated[variant]))
-            rows += [(variant, name, value) for name, value in values.items()]
+        scores = _evaluator_scores(jobs, cfg, Path(tmp), pool, **roles) if jobs else {}
+    pool.release()
 
-        # (3) Win rate over the previous policy, judged by a dynamic rubric over the pair.
-        if previous is not None:
-            current = rollouts[rollouts["sample_idx"] == 0]
-            pair = pd.concat(
-                [current.assign(sample_idx=0), previous.assign(sample_idx=1)], ignore_index=True
-            ).sort_values(["prompt_id", "sample_idx"], kind="stable")
-            scores = _evaluator_scores(pair, "dynamic", cfg, workdir, pool, name="win-rate", **roles)
-            by_side = scores.pivot(index="prompt_id", columns="sample_idx", values="score")
-            rows.append(("policy", "win_rate", win_rate(by_side[0], by_side[1])))
-            rows.append(("policy", "win_rate_prompts", float(len(by_side))))
-    pool.keep_only(set())
+    evaluated: dict[str, pd.DataFrame] = {}
+    for variant in variants:
+        if f"labelled-{variant}" in scores:
+            evaluated[variant] = lists.merge(
+                scores[f"labelled-{variant}"].rename(columns={"prompt_id": "list_id"}),
+                on=["list_id", "sample_idx"],
+                how="left",
+            )
+        values = evaluator_metrics(evaluated[variant]) if variant in evaluated else {}
+        values.update(counts)
+        if variant in evaluated and labelled_uris:
+            values.update(_accuracy_by_origin(evaluated[variant]))
+        rows += [(variant, name, value) for name, value in values.items()]
+    if "win-rate" in scores:
+        by_side = scores["win-rate"].pivot(index="prompt_id", columns="sample_idx", values="score")
+        rows.append(("policy", "win_rate", win_rate(by_side[0], by_side[1])))
+        rows.append(("policy", "win_rate_prompts", float(len(by_side))))
 
     metrics = pd.DataFrame(rows, columns=["variant", "name", "value"])
     metrics = metrics.assign(round=round_idx, stage="evaluate", step=0)

@@ -4,17 +4,32 @@ rubric variant: P(yes) from the verifier's next-token distribution after one ite
 verdict is P(yes) >= 0.5. All questions about one response share its context, which the engine
 computes once. pointwise baseline: the verifier rates each response alone, with no rubric; it is
 written as a one-item rubric of weight 1 so that aggregation treats both the same way.
+
+Memory stays flat as the number of judgments grows (about 532k per shard at the paper's sizes): the
+requests are built and judged in bounded chunks of whole responses (`JUDGE_CHUNK_PAIRS` questions), the
+chat template is rendered once per response (its prefix) and once per question only as a short
+suffix, and what is kept of each judgment is its keys and P(yes) in numpy arrays.
+
+A verdict the engine cannot score (vLLM without the label tokens' log-probs, non-finite logits) is
+never guessed: its p_yes is NaN and its verdict false in the judgments artifact, it is counted in
+`unscored` and logged, and aggregation refuses NaN verdicts rather than count them as "no".
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
+import numpy as np
 import pandas as pd
+import pyarrow as pa
 
-from dynamicrubric.artifacts import read_frame, write_artifact
+from dynamicrubric.artifacts import kind, read_frame, write_artifact
 from dynamicrubric.config import Config
-from dynamicrubric.engines import Engine, load_engine
+from dynamicrubric.engines import Engine, load_engine, progress_bar
 from dynamicrubric.prompts import (
     JUDGE_ITEM_QUESTION,
     POINTWISE_QUESTION,
@@ -24,43 +39,148 @@ from dynamicrubric.prompts import (
 
 log = logging.getLogger(__name__)
 
+# Questions judged per engine call: enough to fill many batches, small enough that the chunk's
+# strings (one prefix per response, one short suffix per question) stay a few MB.
+JUDGE_CHUNK_PAIRS = 4096
+_MARK = "\x00QUESTION\x00"  # stands for the question when the template is rendered once per response
 
-def judge_requests(rollouts: pd.DataFrame, rubrics: pd.DataFrame | None, cfg: Config) -> pd.DataFrame:
-    """One row per (rubric item, response): the keys of the judgment plus the context and question."""
+Scorer = Callable[[list[tuple[str, str]], Any], list[float]]  # (pairs, progress bar) -> P(yes) per pair
+
+
+@dataclass
+class JudgeChunk:
+    """The next questions to judge: their keys (parallel lists) and (prefix, suffix) pairs."""
+
+    prompt_code: list[int] = field(default_factory=list)  # index into the sorted prompt ids
+    rubric_idx: list[int] = field(default_factory=list)
+    item_idx: list[int] = field(default_factory=list)
+    sample_idx: list[int] = field(default_factory=list)
+    weight: list[int] = field(default_factory=list)
+    pairs: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _rubrics_by_prompt(rubrics: pd.DataFrame) -> dict[str, list[tuple[int, list]]]:
+    by_prompt: dict[str, list[tuple[int, list]]] = {}
+    for pid, ridx, items in zip(rubrics["prompt_id"], rubrics["rubric_idx"], rubrics["items"], strict=True):
+        by_prompt.setdefault(pid, []).append((int(ridx), list(items)))
+    for entries in by_prompt.values():
+        entries.sort(key=lambda e: e[0])
+    return by_prompt
+
+
+def iter_judge_requests(
+    rollouts: pd.DataFrame,
+    rubrics: pd.DataFrame | None,
+    cfg: Config,
+    render: Callable[[list[dict]], str],
+    chunk_pairs: int = JUDGE_CHUNK_PAIRS,
+) -> Iterator[JudgeChunk]:
+    """Chunks of (rubric item, response) questions in key order (prompt_id, sample_idx, rubric_idx,
+    item_idx); `rubrics=None` is pointwise (one question per response, rubric 0, item 0, weight 1).
+
+    `render` is the verifier's chat template (Engine.chat_prompt). A chunk ends at a response
+    boundary once it holds `chunk_pairs` questions, so a response's questions share one chunk."""
     max_chars = cfg.judge.max_response_chars
-    rows = []
-    if rubrics is None:  # pointwise
-        for r in rollouts.itertuples():
-            rows.append(
-                (
-                    r.prompt_id,
-                    0,
-                    0,
-                    r.sample_idx,
-                    1,
-                    judge_context(r.prompt, r.response, max_chars),
-                    POINTWISE_QUESTION,
-                )
-            )
-    else:
-        by_prompt = {pid: g.sort_values("sample_idx") for pid, g in rollouts.groupby("prompt_id", sort=False)}
-        missing = sorted(set(rubrics["prompt_id"]) - set(by_prompt))
+    by_prompt = None if rubrics is None else _rubrics_by_prompt(rubrics)
+    if by_prompt is not None:
+        missing = sorted(set(by_prompt) - set(rollouts["prompt_id"]))
         if missing:
             raise ValueError(
                 f"rubrics for prompt(s) {missing[:5]} have no responses in the rollouts artifact"
             )
-        for rubric in rubrics.itertuples():
-            for r in by_prompt[rubric.prompt_id].itertuples():
-                context = judge_context(r.prompt, r.response, max_chars)
-                for m, item in enumerate(rubric.items):
-                    question = JUDGE_ITEM_QUESTION.format(item=item["text"])
-                    rows.append(
-                        (r.prompt_id, rubric.rubric_idx, m, r.sample_idx, item["weight"], context, question)
-                    )
-    columns = ["prompt_id", "rubric_idx", "item_idx", "sample_idx", "weight", "context", "question"]
-    requests = pd.DataFrame(rows, columns=columns)
-    # Questions about the same response next to each other, so the engine reuses their context.
-    return requests.sort_values(["prompt_id", "sample_idx", "rubric_idx", "item_idx"], kind="stable")
+    ordered = rollouts.sort_values(["prompt_id", "sample_idx"], kind="stable")
+    prompt_ids = sorted(set(ordered["prompt_id"]))
+    code = {pid: i for i, pid in enumerate(prompt_ids)}
+    checked = False  # the one-render-per-response shortcut is checked against a full render once
+    chunk = JudgeChunk()
+    for pid, sample, prompt, response in zip(
+        ordered["prompt_id"], ordered["sample_idx"], ordered["prompt"], ordered["response"], strict=True
+    ):
+        if by_prompt is None:
+            questions = [(0, 0, 1, POINTWISE_QUESTION)]
+        else:
+            questions = [
+                (ridx, m, int(item["weight"]), JUDGE_ITEM_QUESTION.format(item=item["text"]))
+                for ridx, items in by_prompt.get(pid, [])
+                for m, item in enumerate(items)
+            ]
+        if not questions:
+            continue
+        context = judge_context(prompt, response, max_chars)
+        prefix, suffix_template = split_chat_prompt(render, context, _MARK)
+        if suffix_template.count(_MARK) != 1:
+            raise ValueError("the chat template altered the judge question; cannot split prefix and question")
+        if not checked:
+            if split_chat_prompt(render, context, questions[0][3]) != (
+                prefix,
+                suffix_template.replace(_MARK, questions[0][3]),
+            ):
+                raise ValueError("the chat template renders a question differently in place of a marker")
+            checked = True
+        c = code[pid]
+        for ridx, m, w, question in questions:
+            chunk.prompt_code.append(c)
+            chunk.rubric_idx.append(ridx)
+            chunk.item_idx.append(m)
+            chunk.sample_idx.append(int(sample))
+            chunk.weight.append(w)
+            chunk.pairs.append((prefix, suffix_template.replace(_MARK, question)))
+        if len(chunk.pairs) >= chunk_pairs:
+            yield chunk
+            chunk = JudgeChunk()
+    if chunk.pairs:
+        yield chunk
+
+
+def judge_table(
+    rollouts: pd.DataFrame,
+    rubrics: pd.DataFrame | None,
+    cfg: Config,
+    render: Callable[[list[dict]], str],
+    score: Scorer,
+    chunk_pairs: int = JUDGE_CHUNK_PAIRS,
+) -> pa.Table:
+    """The judgments table: every question of `iter_judge_requests` scored by `score`, chunk by chunk."""
+    prompt_ids = pa.array(sorted(set(rollouts["prompt_id"])), pa.string())
+    if rubrics is None:
+        total = len(rollouts)
+    else:
+        per_prompt = rubrics.assign(n=rubrics["items"].map(len)).groupby("prompt_id")["n"].sum()
+        total = int(rollouts["prompt_id"].map(per_prompt).fillna(0).sum())
+    parts: dict[str, list[np.ndarray]] = {
+        k: [] for k in ("prompt_code", "rubric_idx", "item_idx", "sample_idx", "weight", "p_yes")
+    }
+    with progress_bar(total, "judge", "judgment") as bar:
+        for chunk in iter_judge_requests(rollouts, rubrics, cfg, render, chunk_pairs):
+            p_yes = score(chunk.pairs, bar)
+            if len(p_yes) != len(chunk.pairs):
+                raise RuntimeError(f"judge: the engine scored {len(p_yes)} of {len(chunk.pairs)} questions")
+            for name, dtype in (
+                ("prompt_code", np.int32),
+                ("rubric_idx", np.int32),
+                ("item_idx", np.int32),
+                ("sample_idx", np.int32),
+                ("weight", np.int8),
+            ):
+                parts[name].append(np.asarray(getattr(chunk, name), dtype=dtype))
+            parts["p_yes"].append(np.asarray(p_yes, dtype=np.float32))
+    cols = {
+        k: np.concatenate(v) if v else np.zeros(0, np.float32 if k == "p_yes" else np.int32)
+        for k, v in parts.items()
+    }
+    schema = kind("judgments").schema
+    return pa.Table.from_arrays(
+        [
+            prompt_ids.take(pa.array(cols["prompt_code"], pa.int32())),
+            pa.array(cols["rubric_idx"], pa.int32()),
+            pa.array(cols["item_idx"], pa.int32()),
+            pa.array(cols["sample_idx"], pa.int32()),
+            pa.array(cols["weight"].astype(np.int8), pa.int8()),
+            pa.array(cols["p_yes"] >= 0.5, pa.bool_()),  # NaN (unscored) is not a yes
+            pa.array(cols["p_yes"], pa.float32()),
+        ],
+        schema=schema,
+    )
 
 
 def run_judge(
@@ -74,27 +194,42 @@ def run_judge(
 ) -> dict:
     """Judge every (item, response); without `rubrics_uri` (or with judge.variant=pointwise) pointwise."""
     verifier = verifier or cfg.models.verifier
+    if cfg.models.enable_thinking.verifier:
+        raise ValueError(
+            "models.enable_thinking.verifier: the judge reads P(yes) at the first token of the verifier's "
+            "answer, so a thinking verifier is not supported; set it to false"
+        )
     pointwise = cfg.judge.variant == "pointwise" or rubrics_uri is None
     rollouts = read_frame(rollouts_uri, "rollouts")
     rubrics = None if pointwise else read_frame(rubrics_uri, "rubrics")
-    requests = judge_requests(rollouts, rubrics, cfg)
-    if len(requests):
+    has_questions = pointwise or int(rubrics["items"].map(len).sum()) > 0
+    if has_questions:
         engine = engine or load_engine(verifier, cfg.engine)
-        pairs = [
-            split_chat_prompt(engine.chat_prompt, c, q)
-            for c, q in zip(requests["context"], requests["question"], strict=True)
-        ]
-        p_yes = engine.yes_probability(pairs, desc="judge")
+        render = partial(engine.chat_prompt, enable_thinking=False)
+
+        def score(pairs: list[tuple[str, str]], bar: Any) -> list[float]:
+            return engine.yes_probability(pairs, bar=bar)
+
+        judgments = judge_table(rollouts, rubrics, cfg, render, score)
     else:
-        p_yes = []
-    judgments = requests.drop(columns=["context", "question"]).assign(p_yes=p_yes)
-    judgments["verdict"] = judgments["p_yes"] >= 0.5
+        judgments = judge_table(rollouts, rubrics, cfg, lambda m: "", lambda p, b: [])
     write_artifact(out_uri, "judgments", judgments)
+    p_yes = judgments.column("p_yes").to_numpy()
+    unscored = int(np.isnan(p_yes).sum())
+    if unscored:
+        log.warning(
+            "judge: %d of %d verdicts could not be scored (no yes/no label token among the verifier's "
+            "log-probs); they are written with p_yes NaN and aggregation will refuse them",
+            unscored,
+            len(p_yes),
+        )
+    verdicts = judgments.column("verdict").to_numpy(zero_copy_only=False)
     counts = {
         "variant": "pointwise" if pointwise else "rubric",
-        "judgments": len(judgments),
+        "judgments": judgments.num_rows,
         "responses": len(rollouts),
-        "yes_rate": float(judgments["verdict"].mean()) if len(judgments) else 0.0,
+        "unscored": unscored,
+        "yes_rate": float(verdicts[~np.isnan(p_yes)].mean()) if len(p_yes) > unscored else 0.0,
     }
     log.info("judge: %s -> %s", counts, out_uri)
     return counts

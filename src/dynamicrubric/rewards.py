@@ -245,7 +245,8 @@ class PolicyReward:
                     engine=self._engines(self.generator),
                 )
                 timing["time/rubrics_s"] = time.perf_counter() - t
-                metrics["rubrics/parse_rate"] = 1 - counts["empty_rubrics"] / max(counts["rubrics"], 1)
+                metrics["rubrics/parse_rate"] = counts["parse_rate"]
+                metrics["rubrics/truncated_rate"] = counts["truncated"] / max(counts["rubrics"], 1)
                 metrics["rubrics/mean_items"] = counts["mean_items"]
             t = time.perf_counter()
             counts = run_judge(
@@ -391,7 +392,7 @@ class GeneratorRewards:
         if not rows:
             return [], {}
         from dynamicrubric.judge import run_judge
-        from dynamicrubric.rubrics import rubric_rows
+        from dynamicrubric.rubrics import TRUNCATED, rubric_rows
 
         started = time.perf_counter()
         cfg, g = self.cfg, self.g
@@ -427,6 +428,7 @@ class GeneratorRewards:
                 variant="dynamic",
                 generator=self.generator,
                 num_items=cfg.rubrics.num_items,
+                constrained=cfg.rubrics.constrained,
             )
         rubrics = pd.DataFrame(rubric_records)
         write_artifact(uri["rubrics"], "rubrics", rubrics)
@@ -475,11 +477,15 @@ class GeneratorRewards:
                 r = rewards.loc[(sid, j)]
                 anchor = None if pd.isna(r["r_anchor"]) else float(r["r_anchor"])
                 values.append((float(r["r_disc"]), anchor))
-        empty = int((rubrics["parse_status"] == "empty").sum())
+        # Parse rate among the samples not cut off by the token limit; the cut-off ones are reported apart.
+        truncated = rubrics["parse_status"] == TRUNCATED
+        complete = rubrics[~truncated]
         metrics = {
             **result.overall,
-            "rubrics/parse_rate": 1 - empty / len(rubrics),
-            "rubrics/truncated_rate": float((rubrics["finish_reason"] == "length").mean()),
+            "rubrics/parse_rate": float((complete["parse_status"] != "empty").mean())
+            if len(complete)
+            else 0.0,
+            "rubrics/truncated_rate": float(truncated.mean()),
             "rubrics/mean_items": float(rubrics["items"].map(len).mean()),
             "judge/yes_rate": counts["yes_rate"],
             "time/judge_s": judge_s,

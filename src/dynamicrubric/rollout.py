@@ -17,17 +17,19 @@ from dynamicrubric.engines import Engine, load_engine
 log = logging.getLogger(__name__)
 
 
-def policy_prompt(engine: Engine, prompt: str) -> str:
-    """The exact text the policy continues; the trainer rebuilds it the same way to score responses."""
-    return engine.chat_prompt([{"role": "user", "content": prompt}])
+def policy_prompt(engine: Engine, prompt: str, enable_thinking: bool | None = None) -> str:
+    """The exact text the policy continues; the trainer rebuilds it the same way to score responses
+    (with the same `models.enable_thinking.policy`)."""
+    return engine.chat_prompt([{"role": "user", "content": prompt}], enable_thinking=enable_thinking)
 
 
 def sample_rollouts(
     engine: Engine, prompts: pd.DataFrame, cfg: Config, *, seed: int, policy: str
 ) -> pd.DataFrame:
     r = cfg.rollout
+    thinking = cfg.models.enable_thinking.policy
     generations = engine.generate(
-        [policy_prompt(engine, p) for p in prompts["prompt"]],
+        [policy_prompt(engine, p, thinking) for p in prompts["prompt"]],
         n=r.k,
         temperature=r.temperature,
         top_p=r.top_p,

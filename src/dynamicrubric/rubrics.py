@@ -6,6 +6,10 @@ static (RaR-style baseline): the same format, written from the prompt alone.
 
 G rubric samples per candidate set (G > 1 feeds the generator's GRPO; G = 1 for scoring). A sample
 that does not parse becomes an empty rubric, counted and logged, never a crash.
+
+With `rubrics.constrained` (the default) decoding is constrained to `constrained.rubric_schema(M)`, so
+every sample parses as JSON unless the token limit cut it off. A cut-off sample gets parse_status
+"truncated" and no items (scored as an empty rubric), and is counted in `truncated`.
 """
 
 from __future__ import annotations
@@ -17,9 +21,17 @@ import pandas as pd
 from dynamicrubric.artifacts import read_frame, write_artifact
 from dynamicrubric.config import Config
 from dynamicrubric.engines import Engine, load_engine
-from dynamicrubric.prompts import dynamic_rubric_prompt, parse_rubric, response_order, static_rubric_prompt
+from dynamicrubric.prompts import (
+    ParsedRubric,
+    dynamic_rubric_prompt,
+    parse_rubric,
+    response_order,
+    static_rubric_prompt,
+)
 
 log = logging.getLogger(__name__)
+
+TRUNCATED = "truncated"  # parse_status of a constrained rubric cut off by the token limit
 
 
 def generator_messages(user_text: str) -> list[dict]:
@@ -55,13 +67,19 @@ def rubric_rows(
     variant: str,
     generator: str,
     num_items: int,
+    constrained: bool,
 ) -> list[dict]:
     """The rubric samples written for one candidate set, parsed, as rows of the `rubrics` artifact.
 
     The standalone stage and the generator's online trainer both build their rows here."""
     rows = []
     for g, (completion, reason) in enumerate(zip(completions, finish_reasons, strict=True)):
-        parsed = parse_rubric(completion, num_items)
+        if constrained and reason == "length":
+            # The schema guarantees a complete rubric only when decoding ends at a stop token:
+            # a cut-off one is scored as empty rather than trusted in part.
+            parsed = ParsedRubric([], TRUNCATED)
+        else:
+            parsed = parse_rubric(completion, num_items)
         rows.append(
             {
                 "prompt_id": prompt_id,
@@ -97,15 +115,25 @@ def run_rubrics(
     seed = cfg.seed if seed is None else seed
     rollouts = read_frame(rollouts_uri, "rollouts")
     requests = rubric_requests(rollouts, cfg, variant, seed)
+    thinking = cfg.models.enable_thinking.generator
+    if rc.constrained and thinking:
+        raise ValueError(
+            "rubrics.constrained decodes the rubric's JSON from the first token, which leaves no room "
+            "for a thinking block: set models.enable_thinking.generator: false or rubrics.constrained: false"
+        )
     engine = engine or load_engine(generator, cfg.engine)
     generations = engine.generate(
-        [engine.chat_prompt(generator_messages(t)) for t in requests["generator_prompt"]],
+        [
+            engine.chat_prompt(generator_messages(t), enable_thinking=thinking)
+            for t in requests["generator_prompt"]
+        ],
         n=samples,
         temperature=rc.temperature,
         top_p=rc.top_p,
         max_new_tokens=rc.max_new_tokens,
         seed=seed,
         desc=f"rubrics ({variant})",
+        rubric_items=rc.num_items if rc.constrained else None,
     )
     rows = []
     for request, gen in zip(requests.itertuples(), generations, strict=True):
@@ -117,16 +145,32 @@ def run_rubrics(
             variant=variant,
             generator=generator,
             num_items=rc.num_items,
+            constrained=rc.constrained,
         )
     rubrics = pd.DataFrame(rows)
     write_artifact(out_uri, "rubrics", rubrics)
     empty = int((rubrics["parse_status"] == "empty").sum())
+    truncated = int((rubrics["parse_status"] == TRUNCATED).sum())
     if empty:
         log.warning("rubrics: %d of %d rubric samples did not parse and are empty", empty, len(rubrics))
+    if truncated:
+        log.warning(
+            "rubrics: %d of %d constrained rubric samples were cut off by rubrics.max_new_tokens=%d and "
+            "are scored as empty",
+            truncated,
+            len(rubrics),
+            rc.max_new_tokens,
+        )
+    complete = len(rubrics) - truncated
     counts = {
         "candidate_sets": len(requests),
         "rubrics": len(rubrics),
         "empty_rubrics": empty,
+        "truncated": truncated,
+        # Share of the rubrics not cut off by the token limit that parsed (1.0 when constrained).
+        "parse_rate": float((rubrics["parse_status"] != "empty").sum() - truncated) / complete
+        if complete
+        else 0.0,
         "parsed_json": int((rubrics["parse_status"] == "json").sum()),
         "parsed_lines": int((rubrics["parse_status"] == "lines").sum()),
         "mean_items": float(rubrics["items"].map(len).mean()),

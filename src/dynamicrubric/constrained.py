@@ -1,0 +1,99 @@
+"""Rubrics constrained to their JSON schema while they are decoded (xgrammar).
+
+The generator's output is forced into `rubric_schema(M)`: an object {"items": [...]} with 1..M items,
+each {"text": 3..MAX_ITEM_CHARS printable characters, no '"' or backslash, "weight": an integer 1..5}.
+`prompts.parse_rubric` reads it as a JSON list (status "json"). Only a sample cut off by the token limit
+can fail to parse; the rubric stage counts those and scores them as empty.
+
+- transformers: `hf_logits_processor(tokenizer, M)` returns a fresh `xgrammar.contrib.hf.LogitsProcessor`
+  for every generation call (it keeps one grammar matcher per batch row and cannot be reused). The
+  grammar itself is compiled once per (tokenizer, vocabulary size, stop tokens, M) and cached: compiling
+  took 6.8 s for SmolLM2's 49k vocabulary.
+- vLLM: `rubric_schema(M)` is passed to its structured outputs, which also run on xgrammar.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+MAX_ITEM_CHARS = 200  # one criterion is a sentence; the bound also bounds a rubric's token count
+MIN_ITEM_CHARS = 3  # parse_rubric drops shorter texts as "too short to be a criterion"
+# An item's text: 3..200 characters, none of them a control character, '"' or '\\' (so it needs no
+# JSON escape) or a UTF-16 surrogate (its UTF-8 bytes are invalid and decode to replacement characters).
+# A pattern rather than minLength/maxLength: xgrammar 0.2.8's length-bounded JSON string lets raw
+# control characters through, which json.loads (and so parse_rubric) rejects.
+ITEM_TEXT_PATTERN = rf"^[ -!#-\[\]-\uD7FF\uE000-\U0010FFFF]{{{MIN_ITEM_CHARS},{MAX_ITEM_CHARS}}}$"
+
+_lock = threading.Lock()
+# (id(tokenizer), vocab_size, stop ids, max_items) -> (tokenizer, compiled grammar). The tokenizer is
+# kept in the value so that its id cannot be reused by another object while the entry exists.
+_compiled: dict[tuple, tuple[Any, Any]] = {}
+
+
+def rubric_schema(max_items: int) -> dict:
+    """The JSON schema of a rubric of 1..max_items items with text and an integer weight 1–5."""
+    if not isinstance(max_items, int) or max_items < 1:
+        raise ValueError(f"rubric_schema: max_items must be an integer >= 1, got {max_items!r}")
+    item = {
+        "type": "object",
+        "properties": {
+            "text": {"type": "string", "pattern": ITEM_TEXT_PATTERN},
+            "weight": {"type": "integer", "minimum": 1, "maximum": 5},
+        },
+        "required": ["text", "weight"],
+        "additionalProperties": False,
+    }
+    return {
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": item, "minItems": 1, "maxItems": max_items}},
+        "required": ["items"],
+        "additionalProperties": False,
+    }
+
+
+def compiled_grammar(
+    tokenizer: Any,
+    max_items: int,
+    *,
+    vocab_size: int | None = None,
+    stop_token_ids: list[int] | None = None,
+) -> Any:
+    """The rubric grammar compiled for `tokenizer` (cached; compiled at most once per key).
+
+    `vocab_size` is the model's logits width, which may exceed the tokenizer's (padded embeddings);
+    `stop_token_ids` are the tokens that end generation (default: the tokenizer's eos). The grammar
+    allows a stop token only once the JSON is complete."""
+    import xgrammar as xgr
+
+    schema = rubric_schema(max_items)
+    size = int(vocab_size) if vocab_size is not None else len(tokenizer)
+    stops = tuple(int(i) for i in stop_token_ids) if stop_token_ids else None
+    key = (id(tokenizer), size, stops, max_items)
+    with _lock:  # one compile per key even when several threads ask at once
+        if key not in _compiled:
+            info = xgr.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=size, stop_token_ids=list(stops) if stops else None
+            )
+            grammar = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=False)
+            _compiled[key] = (tokenizer, grammar)
+        return _compiled[key][1]
+
+
+def hf_logits_processor(
+    tokenizer: Any,
+    max_items: int,
+    *,
+    vocab_size: int | None = None,
+    stop_token_ids: list[int] | None = None,
+) -> Any:
+    """A new xgrammar logits processor for ONE generation call (transformers' `generate` or HFEngine).
+
+    It is called as processor(input_ids, scores) at every step, where input_ids' last column is the
+    token each row sampled at the previous step, and masks the scores of tokens the schema forbids."""
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    return LogitsProcessor(
+        compiled_grammar(tokenizer, max_items, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    )

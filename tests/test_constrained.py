@@ -1,0 +1,129 @@
+"""Rubrics decoded under their JSON schema (xgrammar) with HFEngine's own sampler, and the rubric stage."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from dynamicrubric import constrained
+from dynamicrubric.artifacts import read_frame, write_artifact
+from dynamicrubric.config import load_config
+from dynamicrubric.engines import HFEngine
+from dynamicrubric.prompts import parse_rubric
+from dynamicrubric.rubrics import TRUNCATED, run_rubrics
+
+QUESTIONS = ["What is 2+3?", "Name a colour.", "Write a rubric for a poem."]
+
+
+@pytest.fixture(scope="module")
+def engine() -> HFEngine:
+    return HFEngine("tiny-random", device="cpu", batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def prompts(engine: HFEngine) -> list[str]:
+    return [engine.chat_prompt([{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+def _valid(text: str, max_items: int) -> bool:
+    """Valid against rubric_schema(max_items), checked by hand (no jsonschema dependency)."""
+    doc = json.loads(text)
+    items = doc["items"]
+    pattern = re.compile(constrained.ITEM_TEXT_PATTERN)
+    return (
+        set(doc) == {"items"}
+        and 1 <= len(items) <= max_items
+        and all(set(it) == {"text", "weight"} for it in items)
+        and all(isinstance(it["weight"], int) and 1 <= it["weight"] <= 5 for it in items)
+        and all(pattern.match(it["text"]) for it in items)
+    )
+
+
+def test_schema_shape_and_bad_input() -> None:
+    schema = constrained.rubric_schema(4)
+    assert schema["properties"]["items"]["maxItems"] == 4
+    assert schema["properties"]["items"]["items"]["properties"]["weight"] == {
+        "type": "integer",
+        "minimum": 1,
+        "maximum": 5,
+    }
+    with pytest.raises(ValueError, match="max_items"):
+        constrained.rubric_schema(0)
+    doc = '{"items": [{"text": "States 5", "weight": 5}, {"text": "Shows steps", "weight": 2}]}'
+    parsed = parse_rubric(doc, 4)
+    assert parsed.status == "json" and parsed.items == [
+        {"text": "States 5", "weight": 5},
+        {"text": "Shows steps", "weight": 2},
+    ]
+
+
+def test_grammar_is_compiled_once_per_key(engine: HFEngine) -> None:
+    a = constrained.compiled_grammar(engine.tokenizer, 3, stop_token_ids=engine.stop_ids)
+    b = constrained.compiled_grammar(engine.tokenizer, 3, stop_token_ids=engine.stop_ids)
+    c = constrained.compiled_grammar(engine.tokenizer, 4, stop_token_ids=engine.stop_ids)
+    assert a is b and a is not c
+    p, q = (constrained.hf_logits_processor(engine.tokenizer, 3) for _ in range(2))
+    assert p is not q  # a processor holds per-row matchers: one per generation call
+
+
+def test_constrained_rubrics_all_parse_and_are_seeded(engine: HFEngine, prompts: list[str]) -> None:
+    gens = engine.generate(prompts, n=4, max_new_tokens=300, seed=1, rubric_items=3)
+    complete = [t for g in gens for t, r in zip(g.texts, g.finish_reasons, strict=True) if r == "stop"]
+    assert len(complete) >= 8, "most samples of 300 tokens must finish"
+    assert all(_valid(t, 3) and parse_rubric(t, 3).status == "json" for t in complete)
+    # Same seed, same rubrics, whatever the batch size; another seed differs.
+    assert gens == engine.generate(prompts, n=4, max_new_tokens=300, seed=1, rubric_items=3)
+    small = HFEngine("x", model=engine.model, tokenizer=engine.tokenizer, batch_size=3)
+    assert gens == small.generate(prompts, n=4, max_new_tokens=300, seed=1, rubric_items=3)
+    assert gens != engine.generate(prompts, n=4, max_new_tokens=300, seed=2, rubric_items=3)
+    # Without the grammar the random model writes no rubric at all: the constraint does the work.
+    free = engine.generate(prompts, n=4, max_new_tokens=60, seed=1)
+    assert all(parse_rubric(t, 3).status == "empty" for g in free for t in g.texts)
+
+
+def test_greedy_constrained_decoding_follows_the_grammar(engine: HFEngine, prompts: list[str]) -> None:
+    gen = engine.generate(prompts[:1], temperature=0.0, max_new_tokens=300, rubric_items=2)[0]
+    assert gen.texts[0].startswith('{"items": [{"text": "')
+    if gen.finish_reasons[0] == "stop":
+        assert _valid(gen.texts[0], 2)
+
+
+def _rollouts() -> list[dict]:
+    return [
+        {
+            "prompt_id": f"p{i}",
+            "sample_idx": j,
+            "prompt": f"What is {i}+{j}?",
+            "response": f"It is {i + j}.",
+            "num_tokens": 3,
+            "finish_reason": "stop",
+            "policy": "hand",
+            "seed": 0,
+        }
+        for i in range(2)
+        for j in range(2)
+    ]
+
+
+def test_rubric_stage_counts_truncated_and_parses_the_rest(tmp_path, engine: HFEngine) -> None:
+    write_artifact(str(tmp_path / "r.parquet"), "rollouts", _rollouts())
+    cfg = load_config(
+        preset="tiny",
+        overrides={"rubrics": {"samples": 3, "num_items": 3, "max_new_tokens": 300, "constrained": True}},
+    )
+    counts = run_rubrics(str(tmp_path / "r.parquet"), str(tmp_path / "s.parquet"), cfg, engine=engine)
+    rubrics = read_frame(str(tmp_path / "s.parquet"), "rubrics")
+    cut = rubrics["finish_reason"] == "length"
+    assert counts["truncated"] == int(cut.sum()) == int((rubrics["parse_status"] == TRUNCATED).sum())
+    assert (rubrics.loc[cut, "items"].map(len) == 0).all()  # cut off: scored as empty
+    assert set(rubrics.loc[~cut, "parse_status"]) == {"json"} and counts["parse_rate"] == 1.0
+
+    short = cfg.model_copy(update={"rubrics": cfg.rubrics.model_copy(update={"max_new_tokens": 16})})
+    counts = run_rubrics(str(tmp_path / "r.parquet"), str(tmp_path / "t.parquet"), short, engine=engine)
+    assert counts["truncated"] == counts["rubrics"] == 6 and counts["mean_items"] == 0.0
+
+    thinking = load_config(preset="tiny", overrides={"models": {"enable_thinking": {"generator": True}}})
+    with pytest.raises(ValueError, match="enable_thinking.generator"):
+        run_rubrics(str(tmp_path / "r.parquet"), str(tmp_path / "u.parquet"), thinking, engine=engine)
