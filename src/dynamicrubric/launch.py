@@ -105,7 +105,9 @@ def _one_line(e: Exception) -> str:
 
 
 def round_table(cfg: Config, parent_run_id: str) -> list[dict]:
-    """Per-round headline numbers from MLflow: the policy's signal diagnostics and the eval results."""
+    """Per-round headline numbers from MLflow: the signal audit of the round's evaluator on P_{t-1}'s
+    probe samples (after the generator update, for the dynamic variant), the policy trainer's final
+    reward, and the eval results."""
     if not parent_run_id:
         return []
     table = []
@@ -113,7 +115,7 @@ def round_table(cfg: Config, parent_run_id: str) -> list[dict]:
         if t == 0:
             continue  # data preparation only
         by_stage = {s.data.tags.get(tracking.STAGE_TAG): s.data.metrics for s in stages}
-        agg = by_stage.get("policy-aggregate", {})
+        agg = by_stage.get("audit-after-aggregate") or by_stage.get("audit-aggregate") or {}
         ev = by_stage.get("evaluate", {})
         table.append(
             {

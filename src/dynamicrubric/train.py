@@ -139,6 +139,7 @@ def train_policy(
         metrics_uri=metrics_uri,
         round_idx=round_idx,
         variant=policy_variant(cfg),
+        enable_thinking=cfg.models.enable_thinking.policy,
     )
 
 
@@ -181,6 +182,7 @@ def train_evaluator(
         round_idx=round_idx,
         variant="dynamic",
         constrain_items=cfg.rubrics.num_items if cfg.rubrics.constrained else None,
+        enable_thinking=cfg.models.enable_thinking.generator,
     )
 
 
@@ -423,6 +425,7 @@ def _grpo(
     round_idx: int,
     variant: str,
     constrain_items: int | None = None,
+    enable_thinking: bool | None = None,
 ) -> dict:
     from accelerate import PartialState
     from datasets import Dataset
@@ -483,6 +486,8 @@ def _grpo(
         vllm_enable_sleep_mode=vllm,
         vllm_gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
         generation_kwargs=generation_kwargs,
+        # the same template the standalone stages render (rollout.policy_prompt, the rubrics stage)
+        chat_template_kwargs=None if enable_thinking is None else {"enable_thinking": enable_thinking},
     )
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if bf16 else torch.float32)
