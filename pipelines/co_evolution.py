@@ -14,6 +14,10 @@ Baselines run through the same pipeline: `rubrics.variant: static` scores the po
 written from the prompt alone by the untrained generator, and `judge.variant: pointwise` with the
 verifier's direct rating; neither has a generator stage.
 
+Before the rounds, `stage-models` puts each distinct base model into the object store once
+(models.staging_plan): every task then reads the staged copy rather than the hub. It runs before
+`prepare-data`, which every model task depends on.
+
 Each round adds 7·shards + 5 tasks to a dynamic run (4·shards + 3 to a baseline); keep a run under
 about 150 tasks, the size a cluster's Argo workflow object allows (etcd's 1.5 MiB cap).
 """
@@ -21,16 +25,23 @@ about 150 tasks, the size a cluster's Argo workflow object allows (etcd's 1.5 Mi
 import contextlib
 import hashlib
 import sys
+import warnings
 from collections.abc import Callable
 
 import yaml
 from kfp import dsl, kubernetes
 
+from dynamicrubric import store
 from dynamicrubric.components import stages
-from dynamicrubric.config import Config
+from dynamicrubric.config import INFERENCE_STAGES, TENSOR_PARALLEL_ENV, Config, ModelsConfig
+from dynamicrubric.models import staging_plan
 from dynamicrubric.steps import round_seed
 
 S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
+# Stages that load model weights: they get the model-cache scratch volume.
+MODEL_STAGES = ("stage_models", "rollout", "rubrics", "judge", "train_evaluator", "train_policy", "evaluate")
+CACHE_MOUNT = "/model-cache"
+RETRY_BACKOFF = {"backoff_duration": "60s", "backoff_factor": 2.0, "backoff_max_duration": "1800s"}
 
 
 def pipeline_variant(cfg: Config) -> str:
@@ -58,31 +69,78 @@ def task_count(cfg: Config) -> int:
     )
     if pipeline_variant(cfg) == "pointwise":
         per_round -= cfg.pipeline.shards  # no rubric tasks
-    return 2 + cfg.pipeline.rounds * per_round
+    return 3 + cfg.pipeline.rounds * per_round
+
+
+def for_cluster(cfg: Config) -> bool:
+    """A package for a KFP cluster (an object-store pipeline root) rather than for kfp.local."""
+    return cfg.pipeline.pipeline_root.startswith(("s3://", "minio://", "gs://"))
+
+
+def model_plan(cfg: Config) -> dict[str, str]:
+    """Each distinct base-model reference -> what tasks load (a staged s3:// copy on a cluster)."""
+    m = cfg.models
+    if for_cluster(cfg) and not store.is_s3(cfg.pipeline.pipeline_root):
+        warnings.warn(
+            f"pipeline.pipeline_root {cfg.pipeline.pipeline_root!r}: base models are staged only under an "
+            "s3:// root; every task will fetch them itself",
+            stacklevel=2,
+        )
+    return staging_plan([m.policy, m.generator, m.verifier], cfg.pipeline.pipeline_root)
+
+
+def staged_models(cfg: Config) -> ModelsConfig:
+    """The config's model references with each replaced by what `model_plan` says tasks load."""
+    plan = model_plan(cfg)
+    return cfg.models.model_copy(update={role: plan[ref] for role, ref in cfg.models.model_dump().items()})
 
 
 def _configure(cfg: Config, stage: str) -> Callable[[dsl.PipelineTask, str], dsl.PipelineTask]:
-    """Cluster settings for one stage's tasks (the local runner ignores them)."""
+    """Cluster settings for one stage's tasks (pipeline.resources, else config.DEFAULT_STAGE_RESOURCES).
+
+    Every task requests what it may use (CPU and memory requests equal to the limits), has a deadline,
+    and pulls with the configured secrets; GPUs, /dev/shm, node selectors and tolerations go on GPU
+    tasks only. kfp.local ignores the Kubernetes settings but honours environment variables and
+    retries, so the pod-only environment (cache paths, tensor parallelism) and the retries are set
+    only when the package is for a cluster.
+    """
     p = cfg.pipeline
-    res = p.resources.get(stage)
+    res = p.stage_resources(stage)
+    cluster = for_cluster(cfg)
 
     def apply(task: dsl.PipelineTask, name: str) -> dsl.PipelineTask:
         task.set_display_name(name)
         task.set_caching_options(p.caching)
-        if res is not None:
-            task.set_cpu_limit(res.cpu).set_memory_limit(res.memory)
-            if res.gpus:
-                task.set_accelerator_type(p.accelerator_type).set_accelerator_limit(res.gpus)
-                # vLLM and NCCL need a large shared-memory segment
-                kubernetes.empty_dir_mount(
-                    task, volume_name="dshm", mount_path="/dev/shm", medium="Memory", size_limit=p.shm_size
-                )
+        task.set_cpu_request(res.cpu).set_cpu_limit(res.cpu)
+        task.set_memory_request(res.memory).set_memory_limit(res.memory)
+        if res.timeout_s:
+            kubernetes.set_timeout(task, res.timeout_s)
+        if res.retries and cluster:
+            task.set_retry(num_retries=res.retries, **RETRY_BACKOFF)
+        if stage in MODEL_STAGES:
+            # Staged weights and the hub cache on a sized scratch volume, not the container's layer.
+            kubernetes.empty_dir_mount(
+                task, volume_name="model-cache", mount_path=CACHE_MOUNT, size_limit=p.model_cache_size
+            )
+            if cluster:
+                task.set_env_variable("DYNRUBRIC_CACHE", f"{CACHE_MOUNT}/dynamicrubric")
+                task.set_env_variable("HF_HOME", f"{CACHE_MOUNT}/huggingface")
+        if res.gpus:
+            task.set_accelerator_type(p.accelerator_type).set_accelerator_limit(res.gpus)
+            # vLLM and NCCL need a large shared-memory segment
+            kubernetes.empty_dir_mount(
+                task, volume_name="dshm", mount_path="/dev/shm", medium="Memory", size_limit=p.shm_size
+            )
+            for key, value in p.node_selector.items():
+                kubernetes.add_node_selector(task, key, value)
+            for tol in p.tolerations:
+                kubernetes.add_toleration(task, **tol.model_dump(exclude_none=True))
+            if stage in INFERENCE_STAGES and cluster:
+                task.set_env_variable(TENSOR_PARALLEL_ENV, str(res.gpus))
         if p.s3_secret:
             kubernetes.use_secret_as_env(task, p.s3_secret, {k: k for k in S3_ENV}, optional=True)
-        for key, value in p.node_selector.items():
-            kubernetes.add_node_selector(task, key, value)
-        for tol in p.tolerations:
-            kubernetes.add_toleration(task, **tol.model_dump(exclude_none=True))
+        if p.image_pull_secrets:
+            kubernetes.set_image_pull_secrets(task, list(p.image_pull_secrets))
         return task
 
     return apply
@@ -93,7 +151,7 @@ def build_pipeline(cfg: Config):
     c = stages.build(cfg.pipeline.image, cfg.pipeline.cpu_image)
     rounds, shards = cfg.pipeline.rounds, cfg.pipeline.shards
     variant = pipeline_variant(cfg)
-    m = cfg.models
+    m = staged_models(cfg)  # what tasks load: the staged copies on a cluster
 
     @dsl.pipeline(
         name=f"dynamicrubric-{variant}",
@@ -105,8 +163,12 @@ def build_pipeline(cfg: Config):
         # Tasks find the MLflow parent run by `run_name`, a pipeline parameter: kfp.local 2.17 hands the
         # loop item instead of an upstream task's parameter output to tasks inside a ParallelFor.
         common = {"config_yaml": config_yaml, "run_name": run_name}
-        tracking = _configure(cfg, "tracking")(c.start_tracking(**common), "start-tracking")
-        data = _configure(cfg, "prepare_data")(c.prepare_data(**common), "prepare-data").after(tracking)
+        tracking = _configure(cfg, "start_tracking")(c.start_tracking(**common), "start-tracking")
+        staging = _configure(cfg, "stage_models")(c.stage_models(plan=model_plan(cfg)), "stage-models")
+        # Every model task depends on prepare-data, so none starts before the weights are staged.
+        data = _configure(cfg, "prepare_data")(c.prepare_data(**common), "prepare-data").after(
+            tracking, staging
+        )
         policy_ckpt: dict = {}  # {} = the base policy; else {"policy_ckpt": the last round's checkpoint}
         generator_ckpt: dict = {}
         conditions = contextlib.ExitStack()  # each round after an early-stop check runs inside its dsl.If
