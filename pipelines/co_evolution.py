@@ -101,8 +101,9 @@ def _configure(cfg: Config, stage: str) -> Callable[[dsl.PipelineTask, str], dsl
     Every task requests what it may use (CPU and memory requests equal to the limits), has a deadline,
     and pulls with the configured secrets; GPUs, /dev/shm, node selectors and tolerations go on GPU
     tasks only. kfp.local ignores the Kubernetes settings but honours environment variables and
-    retries, so the pod-only environment (cache paths, tensor parallelism) and the retries are set
-    only when the package is for a cluster.
+    retries, and warns task by task about CPU and memory settings, so the pod-only environment (cache
+    paths, tensor parallelism), the retries and the requests are set only when the package is for a
+    cluster (an object-store pipeline root; `dynrubric submit` refuses any other).
     """
     p = cfg.pipeline
     res = p.stage_resources(stage)
@@ -111,8 +112,9 @@ def _configure(cfg: Config, stage: str) -> Callable[[dsl.PipelineTask, str], dsl
     def apply(task: dsl.PipelineTask, name: str) -> dsl.PipelineTask:
         task.set_display_name(name)
         task.set_caching_options(p.caching)
-        task.set_cpu_request(res.cpu).set_cpu_limit(res.cpu)
-        task.set_memory_request(res.memory).set_memory_limit(res.memory)
+        if cluster:  # kfp.local would warn, task by task, that it ignores them
+            task.set_cpu_request(res.cpu).set_cpu_limit(res.cpu)
+            task.set_memory_request(res.memory).set_memory_limit(res.memory)
         if res.timeout_s:
             kubernetes.set_timeout(task, res.timeout_s)
         if res.retries and cluster:

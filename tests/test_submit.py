@@ -430,12 +430,14 @@ def test_committed_package_is_up_to_date(tmp_path, package):
 
 def test_local_package_leaves_out_what_kfp_local_would_apply(tmp_path):
     """kfp.local honours container env and retries: a local package must carry neither (a pod-only
-    cache path or a retry of a deterministic local failure), and stages nothing."""
+    cache path or a retry of a deterministic local failure), nor the CPU and memory settings it warns
+    about, and stages nothing."""
     out = tmp_path / "local.yaml"
     assert cli.main(["compile", "--preset", "tiny", "--rounds", "1", "--out", str(out)]) == 0
     pipeline = parse_package(out.read_text())
     for label, executor in pipeline.deployment.executors.items():
         assert list(executor.container.env) == [], label
+        assert not executor.container.HasField("resources"), label  # kfp.local warns about each
     for key, (task, _) in _dag_tasks(pipeline).items():
         assert not task.HasField("retry_policy"), key
     plan = json_format.MessageToDict(pipeline.spec.root.dag.tasks["stage-models"].inputs.parameters["plan"])
