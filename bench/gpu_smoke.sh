@@ -3,8 +3,9 @@
 #   1. the GPU image's Python environment: the venv in $GPU_VENV (default .venv-gpu) if it exists,
 #      else built from images/gpu-requirements.txt + gpu-constraints.txt with the vLLM, MLflow and kfp
 #      versions that images/gpu.Dockerfile pins (one source for the image and this script);
-#   2. the vLLM engine tests: every test file with a `pytest.mark.gpu` test, run with `-m gpu`; a
-#      skipped test counts as a failure here (on a GPU they must run);
+#   2. the vLLM engine tests: tests/test_engines.py and every test file with a `pytest.mark.gpu` or
+#      `pytest.mark.vllm` test, run with `-m "gpu or vllm"`; a skipped test counts as a failure here
+#      (on a GPU they must run);
 #   3. a one-round pipeline of the `tiny` preset's size with SmolLM2-135M in every role and
 #      `engine: vllm`, through kfp.local;
 #   4. one summary line: `gpu_smoke: PASS ...` or `gpu_smoke: FAIL at <step>: <why>`.
@@ -40,9 +41,10 @@ dockerfile_arg() {
     sed -n "s/^ARG $1=\(.*\)$/\1/p" "$GPU_DOCKERFILE" | head -n 1
 }
 
-# Files holding vLLM tests: those with a test marked pytest.mark.gpu.
+# Files holding vLLM tests: the engine tests and those with a test marked gpu or vllm.
+MARKERS="gpu or vllm"
 gpu_test_files() {
-    grep -l "pytest.mark.gpu" tests/test_*.py || true
+    { echo tests/test_engines.py; grep -lE "pytest.mark.(gpu|vllm)\b" tests/test_*.py; } | sort -u
 }
 
 # The pipeline config: the tiny preset's sizes, one round and one shard, SmolLM2 in every role, vLLM.
@@ -73,7 +75,7 @@ check_inputs() {
         || fail "$GPU_DOCKERFILE lacks one of ARG VLLM_VERSION, MLFLOW_VERSION, KFP_VERSION"
     grep -q "^vllm==$VLLM_VERSION\$" "$GPU_CONSTRAINTS" || fail "$GPU_CONSTRAINTS does not pin vllm==$VLLM_VERSION"
     GPU_TEST_FILES=$(gpu_test_files)
-    [ -n "$GPU_TEST_FILES" ] || fail "no test file has a pytest.mark.gpu test"
+    for f in $GPU_TEST_FILES; do [ -f "$f" ] || fail "$f is missing"; done
 }
 
 work_dir() {
@@ -101,10 +103,10 @@ if [ "${1:-}" = "--check" ]; then
         || fail "the smoke config does not load and compile (dynrubric compile --config $WORK/smoke.yaml)"
     STEP="tests"
     # shellcheck disable=SC2086  # one argument per file
-    collected=$("$PY" -m pytest --collect-only -q -m gpu -p no:cacheprovider $GPU_TEST_FILES 2>/dev/null \
+    collected=$("$PY" -m pytest --collect-only -q -m "$MARKERS" -p no:cacheprovider $GPU_TEST_FILES 2>/dev/null \
         | grep -c "::" || true)
-    [ "$collected" -gt 0 ] || fail "pytest collects no gpu-marked test from: $GPU_TEST_FILES"
-    echo "gpu_smoke --check: OK (vllm==$VLLM_VERSION, $collected gpu tests in $(echo $GPU_TEST_FILES | wc -w) files, smoke config compiles)"
+    [ "$collected" -gt 0 ] || fail "pytest collects no test marked $MARKERS from: $GPU_TEST_FILES"
+    echo "gpu_smoke --check: OK (vllm==$VLLM_VERSION, $collected vLLM tests in $(echo $GPU_TEST_FILES | wc -w) files, smoke config compiles)"
     exit 0
 fi
 [ $# -eq 0 ] || fail "unknown argument $1 (expected nothing or --check)"
@@ -143,8 +145,8 @@ export DYNRUBRIC_CACHE="${DYNRUBRIC_CACHE:-$WORK/cache}" VLLM_NO_USAGE_STATS=1 D
 # ---- 2. the vLLM engine tests
 STEP="vllm tests"
 # shellcheck disable=SC2086  # one argument per file
-"$VPY" -m pytest -q -m gpu -p no:cacheprovider --junitxml="$WORK/gpu-tests.xml" $GPU_TEST_FILES \
-    >"$WORK/gpu-tests.log" 2>&1 || fail "pytest -m gpu failed (see $WORK/gpu-tests.log)"
+"$VPY" -m pytest -q -m "$MARKERS" -p no:cacheprovider --junitxml="$WORK/gpu-tests.xml" $GPU_TEST_FILES \
+    >"$WORK/gpu-tests.log" 2>&1 || fail "pytest -m '$MARKERS' failed (see $WORK/gpu-tests.log)"
 TESTS=$("$VPY" - "$WORK/gpu-tests.xml" <<'EOF'
 import sys
 import xml.etree.ElementTree as ET
