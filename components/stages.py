@@ -9,7 +9,7 @@ artifact from an earlier round; when the checkpoint is given it wins.
 """
 
 from types import SimpleNamespace
-from typing import List  # KFP parses typing.List, not list[...]
+from typing import Dict, List  # KFP parses typing.List, not list[...]
 
 from kfp import dsl
 from kfp.dsl import Artifact, Dataset, Input, Metrics, Model, Output
@@ -19,6 +19,16 @@ def start_tracking(config_yaml: str, run_name: str):
     from dynamicrubric import steps
 
     steps.start_tracking(config_yaml, run_name)
+
+
+def stage_models(plan: Dict[str, str]) -> Dict[str, str]:
+    """Copy each base model to where the plan says tasks read it (models.staging_plan)."""
+    import logging
+
+    from dynamicrubric.models import stage_models as run
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return run(plan)
 
 
 def prepare_data(
@@ -189,6 +199,7 @@ def train_evaluator(
     run_name: str,
     round_idx: int,
     generator_ref: str,
+    verifier_ref: str,
     candidate_sets: Input[List[Dataset]],
     anchors: Input[List[Dataset]],
     generator: Output[Model],
@@ -206,6 +217,7 @@ def train_evaluator(
         [a.path for a in candidate_sets],
         [a.path for a in anchors],
         base,
+        verifier_ref,
         generator.path,
         steps.path,
         metrics.path,
@@ -218,6 +230,7 @@ def train_policy(
     round_idx: int,
     policy_ref: str,
     generator_ref: str,
+    verifier_ref: str,
     prompts: Input[Dataset],
     policy: Output[Model],
     steps: Output[Artifact],
@@ -236,6 +249,7 @@ def train_policy(
         prompts.path,
         base,
         generator,
+        verifier_ref,
         policy.path,
         steps.path,
         metrics.path,
@@ -278,6 +292,7 @@ def evaluate(
 
 STAGES = [
     start_tracking,
+    stage_models,
     prepare_data,
     rollout,
     candidates,
@@ -290,8 +305,8 @@ STAGES = [
 ]
 
 
-# Stages that load no model run in the smaller CPU image.
-CPU_STAGES = {start_tracking, prepare_data, candidates, aggregate}
+# Stages that run no model run in the smaller CPU image (stage_models only copies weights).
+CPU_STAGES = {start_tracking, stage_models, prepare_data, candidates, aggregate}
 
 
 def build(image: str, cpu_image: str) -> SimpleNamespace:

@@ -18,6 +18,10 @@ Baselines run through the same pipeline with no generator stage: `rubrics.varian
 the policy with rubrics written from the prompt alone by the untrained generator, `judge.variant:
 pointwise` with the verifier's direct rating, and `judge.variant: verifiable` with the task's checker.
 
+Before the rounds, `stage-models` puts each distinct base model into the object store once
+(models.staging_plan): every task then reads the staged copy rather than the hub. It runs before
+`prepare-data`, which every model task depends on.
+
 Keep a run under about 150 tasks, the size a cluster's Argo workflow object allows (etcd's 1.5 MiB
 cap); `task_count` says how many a config compiles to.
 """
@@ -25,16 +29,23 @@ cap); `task_count` says how many a config compiles to.
 import contextlib
 import hashlib
 import sys
+import warnings
 from collections.abc import Callable
 
 import yaml
 from kfp import dsl, kubernetes
 
+from dynamicrubric import store
 from dynamicrubric.components import stages
-from dynamicrubric.config import Config, ConfigError
+from dynamicrubric.config import INFERENCE_STAGES, TENSOR_PARALLEL_ENV, Config, ConfigError, ModelsConfig
+from dynamicrubric.models import staging_plan
 from dynamicrubric.steps import round_seed
 
 S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
+# Stages that load model weights: they get the model-cache scratch volume.
+MODEL_STAGES = ("stage_models", "rollout", "rubrics", "judge", "train_evaluator", "train_policy", "evaluate")
+CACHE_MOUNT = "/model-cache"
+RETRY_BACKOFF = {"backoff_duration": "60s", "backoff_factor": 2.0, "backoff_max_duration": "1800s"}
 
 
 def pipeline_variant(cfg: Config) -> str:
@@ -61,31 +72,81 @@ def task_count(cfg: Config) -> int:
     shards, variant = cfg.pipeline.shards, pipeline_variant(cfg)
     audit = {"dynamic": 5 * shards + 2, "static": 3 * shards + 1, "pointwise": 2 * shards + 1}.get(variant, 0)
     generator = 2 * shards + 1 if variant == "dynamic" else 0
-    return 2 + cfg.pipeline.rounds * (generator + audit + 2)
+    return 3 + cfg.pipeline.rounds * (generator + audit + 2)
+
+
+def for_cluster(cfg: Config) -> bool:
+    """A package for a KFP cluster (an object-store pipeline root) rather than for kfp.local."""
+    return cfg.pipeline.pipeline_root.startswith(("s3://", "minio://", "gs://"))
+
+
+def model_plan(cfg: Config) -> dict[str, str]:
+    """Each distinct base-model reference -> what tasks load (a staged s3:// copy on a cluster)."""
+    m = cfg.models
+    if for_cluster(cfg) and not store.is_s3(cfg.pipeline.pipeline_root):
+        warnings.warn(
+            f"pipeline.pipeline_root {cfg.pipeline.pipeline_root!r}: base models are staged only under an "
+            "s3:// root; every task will fetch them itself",
+            stacklevel=2,
+        )
+    return staging_plan([m.policy, m.generator, m.verifier], cfg.pipeline.pipeline_root)
+
+
+def staged_models(cfg: Config) -> ModelsConfig:
+    """The config's model references with each replaced by what `model_plan` says tasks load."""
+    plan = model_plan(cfg)
+    roles = ("policy", "generator", "verifier")
+    return cfg.models.model_copy(update={role: plan[getattr(cfg.models, role)] for role in roles})
 
 
 def _configure(cfg: Config, stage: str) -> Callable[[dsl.PipelineTask, str], dsl.PipelineTask]:
-    """Cluster settings for one stage's tasks (the local runner ignores them)."""
+    """Cluster settings for one stage's tasks (pipeline.resources, else config.DEFAULT_STAGE_RESOURCES).
+
+    Every task requests what it may use (CPU and memory requests equal to the limits), has a deadline,
+    and pulls with the configured secrets; GPUs, /dev/shm, node selectors and tolerations go on GPU
+    tasks only. kfp.local ignores the Kubernetes settings but honours environment variables and
+    retries, and warns task by task about CPU and memory settings, so the pod-only environment (cache
+    paths, tensor parallelism), the retries and the requests are set only when the package is for a
+    cluster (an object-store pipeline root; `dynrubric submit` refuses any other).
+    """
     p = cfg.pipeline
-    res = p.resources.get(stage)
+    res = p.stage_resources(stage)
+    cluster = for_cluster(cfg)
 
     def apply(task: dsl.PipelineTask, name: str) -> dsl.PipelineTask:
         task.set_display_name(name)
         task.set_caching_options(p.caching)
-        if res is not None:
-            task.set_cpu_limit(res.cpu).set_memory_limit(res.memory)
-            if res.gpus:
-                task.set_accelerator_type(p.accelerator_type).set_accelerator_limit(res.gpus)
-                # vLLM and NCCL need a large shared-memory segment
-                kubernetes.empty_dir_mount(
-                    task, volume_name="dshm", mount_path="/dev/shm", medium="Memory", size_limit=p.shm_size
-                )
+        if cluster:  # kfp.local would warn, task by task, that it ignores them
+            task.set_cpu_request(res.cpu).set_cpu_limit(res.cpu)
+            task.set_memory_request(res.memory).set_memory_limit(res.memory)
+        if res.timeout_s:
+            kubernetes.set_timeout(task, res.timeout_s)
+        if res.retries and cluster:
+            task.set_retry(num_retries=res.retries, **RETRY_BACKOFF)
+        if stage in MODEL_STAGES:
+            # Staged weights and the hub cache on a sized scratch volume, not the container's layer.
+            kubernetes.empty_dir_mount(
+                task, volume_name="model-cache", mount_path=CACHE_MOUNT, size_limit=p.model_cache_size
+            )
+            if cluster:
+                task.set_env_variable("DYNRUBRIC_CACHE", f"{CACHE_MOUNT}/dynamicrubric")
+                task.set_env_variable("HF_HOME", f"{CACHE_MOUNT}/huggingface")
+        if res.gpus:
+            task.set_accelerator_type(p.accelerator_type).set_accelerator_limit(res.gpus)
+            # vLLM and NCCL need a large shared-memory segment
+            kubernetes.empty_dir_mount(
+                task, volume_name="dshm", mount_path="/dev/shm", medium="Memory", size_limit=p.shm_size
+            )
+            for key, value in p.node_selector.items():
+                kubernetes.add_node_selector(task, key, value)
+            for tol in p.tolerations:
+                kubernetes.add_toleration(task, **tol.model_dump(exclude_none=True))
+            if stage in INFERENCE_STAGES and cluster:
+                task.set_env_variable(TENSOR_PARALLEL_ENV, str(res.gpus))
         if p.s3_secret:
             kubernetes.use_secret_as_env(task, p.s3_secret, {k: k for k in S3_ENV}, optional=True)
-        for key, value in p.node_selector.items():
-            kubernetes.add_node_selector(task, key, value)
-        for tol in p.tolerations:
-            kubernetes.add_toleration(task, **tol.model_dump(exclude_none=True))
+        if p.image_pull_secrets:
+            kubernetes.set_image_pull_secrets(task, list(p.image_pull_secrets))
         return task
 
     return apply
@@ -103,7 +164,7 @@ def build_pipeline(cfg: Config):
     c = stages.build(cfg.pipeline.image, cfg.pipeline.cpu_image)
     rounds, shards = cfg.pipeline.rounds, cfg.pipeline.shards
     variant = pipeline_variant(cfg)
-    m = cfg.models
+    m = staged_models(cfg)  # what tasks load: the staged copies on a cluster
 
     @dsl.pipeline(
         name=f"dynamicrubric-{variant}",
@@ -115,8 +176,12 @@ def build_pipeline(cfg: Config):
         # Tasks find the MLflow parent run by `run_name`, a pipeline parameter: kfp.local 2.17 hands the
         # loop item instead of an upstream task's parameter output to tasks inside a ParallelFor.
         common = {"config_yaml": config_yaml, "run_name": run_name}
-        tracking = _configure(cfg, "tracking")(c.start_tracking(**common), "start-tracking")
-        data = _configure(cfg, "prepare_data")(c.prepare_data(**common), "prepare-data").after(tracking)
+        tracking = _configure(cfg, "start_tracking")(c.start_tracking(**common), "start-tracking")
+        staging = _configure(cfg, "stage_models")(c.stage_models(plan=model_plan(cfg)), "stage-models")
+        # Every model task depends on prepare-data, so none starts before the weights are staged.
+        data = _configure(cfg, "prepare_data")(c.prepare_data(**common), "prepare-data").after(
+            tracking, staging
+        )
         policy_ckpt: dict = {}  # {} = the base policy; else {"policy_ckpt": the last round's checkpoint}
         generator_ckpt: dict = {}
         conditions = contextlib.ExitStack()  # each round after an early-stop check runs inside its dsl.If
@@ -156,6 +221,7 @@ def build_pipeline(cfg: Config):
                         **common,
                         round_idx=t,
                         generator_ref=m.generator,
+                        verifier_ref=m.verifier,
                         candidate_sets=dsl.Collected(cand.outputs["candidate_sets"]),
                         anchors=dsl.Collected(cand.outputs["anchors"]),
                         **generator_ckpt,
@@ -246,6 +312,7 @@ def build_pipeline(cfg: Config):
                     round_idx=t,
                     policy_ref=m.policy,
                     generator_ref=m.generator,
+                    verifier_ref=m.verifier,
                     prompts=data.outputs["train_prompts"],
                     **policy_ckpt,
                     **generator_ckpt,

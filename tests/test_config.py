@@ -70,3 +70,42 @@ def test_flat_params_have_no_secrets():
     flat = Config().flat()
     assert flat["rollout.k"] == 8 and "pipeline.s3_secret" in flat
     assert not any("secret_key" in k or "password" in k for k in flat)
+
+
+def test_every_stage_has_requests_and_unknown_stages_are_errors(tmp_path):
+    from dynamicrubric.components.stages import STAGES
+    from dynamicrubric.config import DEFAULT_STAGE_RESOURCES
+
+    assert set(DEFAULT_STAGE_RESOURCES) == {f.__name__ for f in STAGES}
+    cfg = load_config(preset="paper")
+    assert cfg.pipeline.stage_resources("rollout").gpus == 1  # the preset's entry wins
+    assert cfg.pipeline.stage_resources("candidates") == DEFAULT_STAGE_RESOURCES["candidates"]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"pipeline": {"resources": {"rollouts": {"gpus": 1}}}}))
+    with pytest.raises(ConfigError, match=r"pipeline\.resources: .*unknown stage 'rollouts'"):
+        load_config(path)
+
+
+def test_tensor_parallelism_follows_the_task_gpus(monkeypatch):
+    from dynamicrubric.config import TENSOR_PARALLEL_ENV
+
+    cfg = load_config(preset="paper")
+    monkeypatch.setenv(TENSOR_PARALLEL_ENV, "4")  # what the pipeline sets on a 4-GPU task's pod
+    assert config_from_yaml(cfg.to_yaml()).engine.tensor_parallel_size == 4
+    monkeypatch.setenv(TENSOR_PARALLEL_ENV, "four")
+    with pytest.raises(ConfigError, match=f"{TENSOR_PARALLEL_ENV}='four': expected a positive integer"):
+        config_from_yaml(cfg.to_yaml())
+    monkeypatch.delenv(TENSOR_PARALLEL_ENV)
+    assert config_from_yaml(cfg.to_yaml()).engine.tensor_parallel_size == 1
+
+
+def test_a_second_tensor_parallel_setting_is_refused():
+    message = r"engine.tensor_parallel_size is 2 but pipeline.resources.rollout.gpus is 1"
+    with pytest.raises(ConfigError, match=message):
+        load_config(preset="paper", overrides={"engine": {"tensor_parallel_size": 2}})
+    # consistent with every inference stage's GPUs: accepted
+    gpus = {s: {"gpus": 2} for s in ("rollout", "rubrics", "judge", "evaluate")}
+    cfg = load_config(
+        preset="paper", overrides={"engine": {"tensor_parallel_size": 2}, "pipeline": {"resources": gpus}}
+    )
+    assert cfg.engine.tensor_parallel_size == 2

@@ -426,3 +426,38 @@ def test_mlflow_allowed_hosts(rendered: dict) -> None:
         assert is_allowed_host_header(hosts, ok), ok
     for bad in ["evil.example.com", "mlflow.evil.example.com:5000", "mlflow.other-ns.svc:5000"]:
         assert not is_allowed_host_header(hosts, bad), bad
+
+
+# --------------------------------------------------------------------------------------------------
+# Store size against the preset an overlay is paired with
+
+# What one run keeps in the store at its peak (docs/deploy.md, "Sizing the store"): the staged base
+# model, the checkpoints, one round's resumable training state and the datasets.
+STORE_NEEDED_GI = {"tiny": 1, "local": 5, "paper": 250}
+
+
+def _gibibytes(quantity: str) -> float:
+    units = {"Mi": 1 / 1024, "Gi": 1, "Ti": 1024}
+    number, unit = re.fullmatch(r"(\d+)(Mi|Gi|Ti)", quantity).groups()
+    return int(number) * units[unit]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_store_holds_a_run_of_the_presets_it_is_sized_for(rendered: dict, overlay: str) -> None:
+    from dynamicrubric.config import PRESETS
+
+    sts = by_kind(rendered[overlay], "StatefulSet")["seaweedfs"]
+    presets = sts["metadata"]["annotations"]["dynamicrubric.io/sized-for"].split(",")
+    assert presets and set(presets) <= set(PRESETS), presets
+    size = _gibibytes(sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"])
+    for preset in presets:
+        assert size >= STORE_NEEDED_GI[preset], f"{overlay}: {size} Gi cannot hold a {preset} run"
+    # the dev overlay's store must not be paired with the paper preset: one 8B checkpoint is 16 GB
+    assert overlay != "dev" or "paper" not in presets
+    assert any(
+        "paper"
+        in by_kind(rendered[o], "StatefulSet")["seaweedfs"]["metadata"]["annotations"][
+            "dynamicrubric.io/sized-for"
+        ]
+        for o in OVERLAYS
+    ), "no overlay is sized for the paper preset"

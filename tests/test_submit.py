@@ -20,18 +20,27 @@ import kfp
 import kfp_server_api
 import pytest
 import yaml
+from google.protobuf import json_format
 from kfp_standin import KfpStandIn, ParsedPipeline, parse_package
 
 from dynamicrubric import cli
-from dynamicrubric.config import config_from_yaml, load_config
-from dynamicrubric.pipelines.co_evolution import S3_ENV, task_count
+from dynamicrubric.config import INFERENCE_STAGES, TENSOR_PARALLEL_ENV, config_from_yaml, load_config
+from dynamicrubric.pipelines.co_evolution import CACHE_MOUNT, MODEL_STAGES, S3_ENV, task_count
 
 REPO = Path(__file__).resolve().parents[1]
-COMMITTED = REPO / "pipelines" / "co_evolution.yaml"
+# The committed packages and the command that regenerates each from the repository root.
+COMMITTED = {
+    "pipelines/co_evolution.yaml": [],  # the default config: preset local, no file
+    "pipelines/co_evolution_paper.yaml": ["--preset", "paper"],
+}
 CLUSTER = {"pipeline": {"pipeline_root": "s3://bucket/runs", "mlflow_tracking_uri": "http://mlflow:5000"}}
-_REGENERATE = (
-    "regenerate it from the repository root with `dynrubric compile --out pipelines/co_evolution.yaml`"
-)
+# A GPU cluster's scheduling settings, which must reach GPU tasks only.
+GPU_NODES = {
+    "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    "image_pull_secrets": ["registry-creds"],
+    "service_account": "dynamicrubric-runner",
+}
 # kfp.Client warns on every construction that it needs a v2.0.0-beta.2+ server; the stand-in is v2beta1.
 pytestmark = pytest.mark.filterwarnings("ignore:This client only works:FutureWarning")
 GPU_STAGES = ("rollout", "rubrics", "judge", "train_evaluator", "train_policy", "evaluate")
@@ -66,6 +75,43 @@ def _stage_of(executor: str) -> str:
     return re.sub(r"-\d+$", "", executor.removeprefix("exec-")).replace("-", "_")
 
 
+def _dag_tasks(pipeline: ParsedPipeline) -> dict[tuple[str, str], tuple]:
+    """Every task of every DAG: (dag component, task name) -> (task spec, enclosing (dag, task) or None)."""
+    spec = pipeline.spec
+    found: dict[tuple[str, str], tuple] = {}
+
+    def walk(dag_name: str, dag, parent) -> None:
+        for name, task in dag.tasks.items():
+            found[(dag_name, name)] = (task, parent)
+            component = spec.components[task.component_ref.name]
+            if component.HasField("dag"):
+                walk(task.component_ref.name, component.dag, (dag_name, name))
+
+    walk("root", spec.root.dag, None)
+    return found
+
+
+def _runs_after(pipeline: ParsedPipeline, first: str) -> set[tuple[str, str]]:
+    """The tasks that cannot start before root task `first` ends: through dependencies within a DAG,
+    and through the DAG task (ParallelFor, dsl.If) that encloses them."""
+    tasks = _dag_tasks(pipeline)
+
+    def ancestors(key: tuple[str, str], seen: set) -> set:
+        task, parent = tasks[key]
+        direct = [(key[0], d) for d in task.dependent_tasks] + ([parent] if parent else [])
+        for d in direct:
+            if d not in seen:
+                seen.add(d)
+                ancestors(d, seen)
+        return seen
+
+    return {key for key in tasks if ("root", first) in ancestors(key, set())}
+
+
+def _executor_of(pipeline: ParsedPipeline, task) -> str:
+    return pipeline.spec.components[task.component_ref.name].executor_label
+
+
 def _runtime_task_count(pipeline: ParsedPipeline) -> int:
     """Tasks a cluster creates: root tasks, plus each ParallelFor body times its item count."""
     spec = pipeline.spec
@@ -89,7 +135,7 @@ def _one_error_line(stderr: str) -> str:
 
 
 def test_submit_paper_creates_run_with_cluster_settings(standin, tmp_path, capsys):
-    config = _config_file(tmp_path, CLUSTER)
+    config = _config_file(tmp_path, {"pipeline": {**CLUSTER["pipeline"], **GPU_NODES}})
     argv = ["submit", "--host", standin.host, "--preset", "paper", "--config", config]
     assert cli.main([*argv, "--experiment", "dr-paper", "--run-name", "paper-run-1"]) == 0
 
@@ -107,7 +153,7 @@ def test_submit_paper_creates_run_with_cluster_settings(standin, tmp_path, capsy
     experiment = standin.experiment_named("dr-paper")
     assert experiment is not None and run.body["experiment_id"] == experiment["experiment_id"]
     assert run.body["display_name"] == "paper-run-1"
-    assert run.body["service_account"] == "dynamicrubric-runner"
+    assert run.body["service_account"] == "dynamicrubric-runner"  # pipeline.service_account, when set
 
     cfg = load_config(config, preset="paper")
     runtime = run.body["runtime_config"]
@@ -128,25 +174,71 @@ def test_submit_paper_creates_run_with_cluster_settings(standin, tmp_path, capsy
         (secret,) = k8s.secret_as_env
         assert secret.secret_name == cfg.pipeline.s3_secret
         assert [(m.secret_key, m.env_var) for m in secret.key_to_env] == [(k, k) for k in S3_ENV]
-        light = stage in {"start_tracking", "prepare_data", "candidates", "aggregate"}  # no model: CPU image
+        assert [s.secret_name for s in k8s.image_pull_secret] == ["registry-creds"], label
+        # no model: CPU image (stage-models only copies weights)
+        light = stage in {"start_tracking", "stage_models", "prepare_data", "candidates", "aggregate"}
         assert executor.container.image == (cfg.pipeline.cpu_image if light else cfg.pipeline.image)
 
-        res = cfg.pipeline.resources.get(stage)
-        gpus = res.gpus if res else 0
-        accelerator = executor.container.resources.accelerator
-        shm = [(m.mount_path, m.medium, m.size_limit) for m in k8s.empty_dir_mounts]
-        if gpus:
+        res = cfg.pipeline.stage_resources(stage)
+        resources = executor.container.resources
+        # every task requests what it may use, and has a deadline
+        assert (resources.resource_cpu_request, resources.resource_memory_request) == (res.cpu, res.memory)
+        assert (resources.resource_cpu_limit, resources.resource_memory_limit) == (res.cpu, res.memory)
+        assert k8s.active_deadline_seconds == res.timeout_s > 0, label
+        env = {e.name: e.value for e in executor.container.env}
+        mounts = {m.mount_path: (m.medium, m.size_limit) for m in k8s.empty_dir_mounts}
+        if stage in MODEL_STAGES:  # staged weights land on a sized scratch volume
+            assert mounts.pop(CACHE_MOUNT) == ("", cfg.pipeline.model_cache_size), label
+            assert env.pop("DYNRUBRIC_CACHE").startswith(CACHE_MOUNT + "/"), label
+            assert env.pop("HF_HOME").startswith(CACHE_MOUNT + "/"), label
+        if res.gpus:
             gpu_executors += 1
             assert stage in GPU_STAGES, label
-            assert (accelerator.resource_type, accelerator.resource_count) == ("nvidia.com/gpu", str(gpus))
-            assert shm == [("/dev/shm", "Memory", cfg.pipeline.shm_size)], label
-        else:
-            assert not executor.container.resources.HasField("accelerator"), label
-            assert shm == [], label
-        if res:
-            assert executor.container.resources.resource_memory_limit == res.memory
+            accelerator = resources.accelerator
+            assert (accelerator.resource_type, accelerator.resource_count) == (
+                "nvidia.com/gpu",
+                str(res.gpus),
+            )
+            assert mounts == {"/dev/shm": ("Memory", cfg.pipeline.shm_size)}, label
+            assert dict(k8s.node_selector.labels) == GPU_NODES["node_selector"], label
+            tolerations = [(t.key, t.operator, t.effect) for t in k8s.tolerations]
+            assert tolerations == [("nvidia.com/gpu", "Exists", "NoSchedule")], label
+            # vLLM's tensor parallelism follows the GPUs the task requests (config.config_from_yaml)
+            expected_env = {TENSOR_PARALLEL_ENV: str(res.gpus)} if stage in INFERENCE_STAGES else {}
+            assert env == expected_env, label
+        else:  # CPU tasks are not pinned to GPU nodes
+            assert not resources.HasField("accelerator"), label
+            assert mounts == {} and env == {}, label
+            assert not k8s.HasField("node_selector") and list(k8s.tolerations) == [], label
     # per round: rollout, rubrics and judge for the generator and for the policy, 2 trainers, evaluate
     assert gpu_executors == cfg.pipeline.rounds * 9
+
+    # every task retries (all are safe to rerun, see config.StageResources)
+    for (_, name), (task, _) in _dag_tasks(run.pipeline).items():
+        if spec.components[task.component_ref.name].HasField("executor_label"):
+            stage = _stage_of(_executor_of(run.pipeline, task))
+            assert task.retry_policy.max_retry_count == cfg.pipeline.stage_resources(stage).retries, name
+            assert task.retry_policy.backoff_duration.seconds == 60, name
+
+    # models staged once: one plan entry for the one reference all roles share, and every model task
+    # reads the staged copy (never the hub id) and starts only after stage-models
+    plan = json_format.MessageToDict(spec.root.dag.tasks["stage-models"].inputs.parameters["plan"])
+    staged = "s3://bucket/runs/models/Qwen--Qwen3-8B-"
+    ((ref, uri),) = plan["runtimeValue"]["constant"].items()
+    assert ref == "Qwen/Qwen3-8B" and uri.startswith(staged)
+    after_staging = _runs_after(run.pipeline, "stage-models")
+    model_tasks = 0
+    for key, (task, _) in _dag_tasks(run.pipeline).items():
+        refs = {
+            k: v.runtime_value.constant.string_value
+            for k, v in task.inputs.parameters.items()
+            if k.endswith("_ref")
+        }
+        if refs:
+            model_tasks += 1
+            assert set(refs.values()) == {uri}, key
+            assert key in after_staging, f"{key} may start before stage-models"
+    assert model_tasks == cfg.pipeline.rounds * 9  # as compiled: a ParallelFor body counts once
 
 
 def test_submit_tiny_twice_reuses_the_experiment(standin, tmp_path, capsys):
@@ -162,10 +254,13 @@ def test_submit_tiny_twice_reuses_the_experiment(standin, tmp_path, capsys):
     run = standin.runs[0]
     cfg = config_from_yaml(run.body["runtime_config"]["parameters"]["config_yaml"])
     assert (cfg.preset, cfg.pipeline.rounds) == ("tiny", 1)
-    # tiny declares no resources: no GPUs and no /dev/shm, but the S3 Secret still reaches every task
+    assert run.body.get("service_account") is None  # the default: the server's own identity
+    # tiny declares no resources: no GPUs and no /dev/shm, but defaults for CPU and memory requests,
+    # and the S3 Secret still reaches every task
     for label, executor in run.pipeline.deployment.executors.items():
         assert not executor.container.resources.HasField("accelerator"), label
-        assert not run.pipeline.kubernetes[label].empty_dir_mounts, label
+        assert executor.container.resources.resource_memory_request, label
+        assert [m.mount_path for m in run.pipeline.kubernetes[label].empty_dir_mounts] in ([], [CACHE_MOUNT])
         assert run.pipeline.kubernetes[label].secret_as_env[0].secret_name == "dynamicrubric-s3"
 
 
@@ -314,19 +409,39 @@ def test_standin_upload_parses_strictly(standin, tiny_package, tmp_path):
 # ---- compile
 
 
-def test_committed_package_is_up_to_date(tmp_path):
-    out = tmp_path / "co_evolution.yaml"
-    assert cli.main(["compile", "--out", str(out)]) == 0  # the default config: preset local, no file
+@pytest.mark.parametrize("package", sorted(COMMITTED))
+def test_committed_package_is_up_to_date(tmp_path, package):
+    args = COMMITTED[package]
+    regenerate = f"regenerate it from the repository root with `dynrubric compile {' '.join([*args, '--out', package])}`"
+    out = tmp_path / "fresh.yaml"
+    assert cli.main(["compile", *args, "--out", str(out)]) == 0
     fresh = out.read_text()
-    assert COMMITTED.exists(), "pipelines/co_evolution.yaml is missing; " + _REGENERATE
-    committed = COMMITTED.read_text()
+    committed_path = REPO / package
+    assert committed_path.exists(), f"{package} is missing; {regenerate}"
+    committed = committed_path.read_text()
     if fresh != committed:
         diff = "".join(
             list(
                 difflib.unified_diff(committed.splitlines(True), fresh.splitlines(True), "committed", "fresh")
             )[:40]
         )
-        pytest.fail(f"pipelines/co_evolution.yaml is out of date; {_REGENERATE}\n{diff}")
+        pytest.fail(f"{package} is out of date; {regenerate}\n{diff}")
+
+
+def test_local_package_leaves_out_what_kfp_local_would_apply(tmp_path):
+    """kfp.local honours container env and retries: a local package must carry neither (a pod-only
+    cache path or a retry of a deterministic local failure), nor the CPU and memory settings it warns
+    about, and stages nothing."""
+    out = tmp_path / "local.yaml"
+    assert cli.main(["compile", "--preset", "tiny", "--rounds", "1", "--out", str(out)]) == 0
+    pipeline = parse_package(out.read_text())
+    for label, executor in pipeline.deployment.executors.items():
+        assert list(executor.container.env) == [], label
+        assert not executor.container.HasField("resources"), label  # kfp.local warns about each
+    for key, (task, _) in _dag_tasks(pipeline).items():
+        assert not task.HasField("retry_policy"), key
+    plan = json_format.MessageToDict(pipeline.spec.root.dag.tasks["stage-models"].inputs.parameters["plan"])
+    assert plan["runtimeValue"]["constant"] == {"tiny-random": "tiny-random"}  # used in place
 
 
 def test_compiled_package_loads_and_matches_config(tmp_path):

@@ -193,6 +193,7 @@ def cmd_train_evaluator(args: argparse.Namespace) -> int:
         args.candidate_sets,
         args.anchors or [],
         args.generator or cfg.models.generator,
+        args.verifier or cfg.models.verifier,
         args.out,
         args.out_steps,
         args.metrics,
@@ -211,6 +212,7 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
         args.prompts,
         args.policy or cfg.models.policy,
         args.generator or cfg.models.generator,
+        args.verifier or cfg.models.verifier,
         args.out,
         args.out_steps,
         args.metrics,
@@ -358,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--anchors", nargs="+", metavar="URI", help="their reference rankings (for R_anchor)")
     p.add_argument("--generator", help="the generator to start from (default: models.generator)")
+    p.add_argument("--verifier", help="the frozen verifier (default: models.verifier)")
     p.add_argument("--out", required=True, metavar="URI", help="checkpoint folder to write")
     p.add_argument("--out-steps", required=True, metavar="URI", help="folder for the per-step artifacts")
     p.add_argument("--metrics", required=True, metavar="URI", help="per-step metrics artifact to write")
@@ -372,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", required=True, metavar="URI", help="the prompt pool (prompts artifact)")
     p.add_argument("--policy", help="the policy to start from (default: models.policy)")
     p.add_argument("--generator", help="G_t, for the dynamic and static rewards (default: models.generator)")
+    p.add_argument("--verifier", help="the frozen verifier (default: models.verifier)")
     p.add_argument("--out", required=True, metavar="URI", help="checkpoint folder to write")
     p.add_argument("--out-steps", required=True, metavar="URI", help="folder for the per-step artifacts")
     p.add_argument("--metrics", required=True, metavar="URI", help="per-step metrics artifact to write")

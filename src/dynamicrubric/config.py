@@ -7,15 +7,20 @@ that name the key. Secrets never live here: S3 and MLflow credentials come from 
 
 from __future__ import annotations
 
+import os
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DEFAULT_PRESET = "local"
 PRESETS = ("tiny", "local", "paper")
+# Set by the pipeline on each task that loads models with vLLM, from its stage's resources.gpus: the
+# task's tensor parallelism is the number of GPUs its pod was given (see config_from_yaml).
+TENSOR_PARALLEL_ENV = "DYNRUBRIC_TENSOR_PARALLEL_SIZE"
+INFERENCE_STAGES = ("rollout", "rubrics", "judge", "evaluate")
 
 
 class ConfigError(ValueError):
@@ -146,9 +151,32 @@ class Toleration(Section):
 
 
 class StageResources(Section):
+    """One stage's pod settings. Requests equal limits (the scheduler reserves what the task may use)."""
+
     gpus: int = Field(0, ge=0)
     cpu: str = "1"
     memory: str = "4Gi"
+    timeout_s: int = Field(6 * 3600, ge=0)  # the pod's activeDeadlineSeconds; 0: none
+    # Every stage is safe to rerun: outputs are written atomically (a rerun replaces them whole), stage
+    # MLflow runs are opened only once the work is done, and training resumes from its last checkpoint.
+    retries: int = Field(2, ge=0)
+
+
+# Pod settings of stages that a config's `pipeline.resources` does not name: sized for the small
+# presets on CPU nodes. A model stage that gets GPUs must say so in `pipeline.resources` (see paper.yaml).
+DEFAULT_STAGE_RESOURCES: dict[str, StageResources] = {
+    "start_tracking": StageResources(cpu="500m", memory="1Gi", timeout_s=900),
+    "stage_models": StageResources(cpu="2", memory="8Gi", timeout_s=3 * 3600),
+    "prepare_data": StageResources(cpu="1", memory="4Gi", timeout_s=3600),
+    "candidates": StageResources(cpu="2", memory="4Gi", timeout_s=3600),
+    "aggregate": StageResources(cpu="2", memory="8Gi", timeout_s=3600),
+    "rollout": StageResources(cpu="2", memory="8Gi"),
+    "rubrics": StageResources(cpu="2", memory="8Gi"),
+    "judge": StageResources(cpu="2", memory="8Gi"),
+    "train_evaluator": StageResources(cpu="2", memory="16Gi", timeout_s=12 * 3600),
+    "train_policy": StageResources(cpu="2", memory="16Gi", timeout_s=12 * 3600),
+    "evaluate": StageResources(cpu="2", memory="8Gi"),
+}
 
 
 class PipelineConfig(Section):
@@ -164,12 +192,33 @@ class PipelineConfig(Section):
     # None compiles no condition.
     early_stop_tie_rate: float | None = Field(None, gt=0, le=1)
     accelerator_type: str = "nvidia.com/gpu"
+    # Scheduling for GPU tasks only (tasks whose stage asks for gpus); CPU tasks go wherever they fit.
     node_selector: dict[str, str] = {}
     tolerations: list[Toleration] = []
     s3_secret: str = "dynamicrubric-s3"  # Kubernetes Secret holding AWS_* keys, mounted as env
-    service_account: str = "dynamicrubric-runner"  # Kubernetes ServiceAccount the run's pods use
+    image_pull_secrets: list[str] = []  # Secrets of type kubernetes.io/dockerconfigjson, on every task
+    # Kubernetes ServiceAccount the run's pods use; "" leaves it to the KFP server (`default-editor` in a
+    # multi-user Kubeflow profile). Naming one may need the server's allow-list (docs/deploy.md).
+    service_account: str = ""
     shm_size: str = "16Gi"
+    # Tasks that load models get a scratch volume (emptyDir) of this size for the staged base weights
+    # (DYNRUBRIC_CACHE) and the hub cache (HF_HOME); a pod that writes more is evicted.
+    model_cache_size: str = "64Gi"
     resources: dict[str, StageResources] = {}
+
+    @field_validator("resources")
+    @classmethod
+    def _known_stages(cls, value: dict[str, StageResources]) -> dict[str, StageResources]:
+        unknown = sorted(set(value) - set(DEFAULT_STAGE_RESOURCES))
+        if unknown:
+            raise ValueError(
+                f"unknown stage {unknown[0]!r}; expected one of {sorted(DEFAULT_STAGE_RESOURCES)}"
+            )
+        return value
+
+    def stage_resources(self, stage: str) -> StageResources:
+        """The stage's entry in `resources`, else its default."""
+        return self.resources.get(stage) or DEFAULT_STAGE_RESOURCES.get(stage, StageResources())
 
 
 class Config(Section):
@@ -186,6 +235,18 @@ class Config(Section):
     train_policy: TrainConfig = TrainConfig(learning_rate=1e-6)
     evaluate: EvaluateConfig = EvaluateConfig()
     pipeline: PipelineConfig = PipelineConfig()
+
+    @model_validator(mode="after")
+    def _one_source_for_tensor_parallelism(self) -> Config:
+        tp = self.engine.tensor_parallel_size
+        for stage in INFERENCE_STAGES:
+            gpus = self.pipeline.stage_resources(stage).gpus
+            if gpus and tp not in (1, gpus):
+                raise ValueError(
+                    f"engine.tensor_parallel_size is {tp} but pipeline.resources.{stage}.gpus is {gpus}: "
+                    "on a cluster a task's tensor parallelism is its GPU count; leave tensor_parallel_size at 1"
+                )
+        return self
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
@@ -257,8 +318,23 @@ def load_config(
 
 
 def config_from_yaml(text: str) -> Config:
-    """Rebuild a config from `Config.to_yaml()` output (how pipeline components receive it)."""
+    """Rebuild a config from `Config.to_yaml()` output (how pipeline components receive it).
+
+    In a pipeline task whose pod carries `DYNRUBRIC_TENSOR_PARALLEL_SIZE` (set at compile time from the
+    stage's `pipeline.resources.<stage>.gpus`), that value becomes `engine.tensor_parallel_size`, so
+    vLLM shards each model over exactly the GPUs the task requested.
+    """
     try:
-        return Config.model_validate(yaml.safe_load(text))
+        cfg = Config.model_validate(yaml.safe_load(text))
     except ValidationError as e:
         raise ConfigError(_format_error(e, "<config yaml>")) from None
+    value = os.environ.get(TENSOR_PARALLEL_ENV, "").strip()
+    if not value:
+        return cfg
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(
+            f"{TENSOR_PARALLEL_ENV}={value!r}: expected a positive integer (the task's GPU count)"
+        )
+    return cfg.model_copy(
+        update={"engine": cfg.engine.model_copy(update={"tensor_parallel_size": int(value)})}
+    )

@@ -78,7 +78,8 @@ def submit(cfg: Config, host: str, experiment: str | None, run_name: str | None,
             experiment_name=experiment or cfg.pipeline.experiment,
             pipeline_root=cfg.pipeline.pipeline_root,
             enable_caching=cfg.pipeline.caching,
-            service_account=cfg.pipeline.service_account,
+            # None: the server's default identity (`default-editor` in a multi-user Kubeflow profile)
+            service_account=cfg.pipeline.service_account or None,
         )
     except Exception as e:  # kfp_server_api and urllib3 errors carry multi-line bodies
         raise LaunchError(f"{host}: submitting the pipeline failed: {_one_line(e)}") from e

@@ -9,7 +9,10 @@ A reference is one of:
     dequantise the GGUF, and save a plain fp32 checkpoint (~40 s once, under a second to reload);
   - `tiny-random`: a 2-layer Llama with random weights and a byte-level BPE tokenizer trained here on
     a fixed corpus, with a ChatML template. Built in seconds and bit-for-bit deterministic, for tests;
-- a Hugging Face hub id (`owner/name`), fetched through huggingface_hub's cache (`snapshot_download`).
+- a Hugging Face hub id (`owner/name`), fetched through huggingface_hub's cache (`snapshot_download`);
+- an `s3://` URI of a complete model folder (one `store.upload_dir` wrote, with its `_COMPLETE`
+  marker), fetched once into `cache_dir()`: how pipeline tasks on a cluster read base weights that
+  the pipeline's first task staged (`stage_models`), instead of each task downloading from the hub.
 
 Builds are atomic (a temporary folder renamed into place), so concurrent processes that prepare
 the same model are safe: one rename wins and the others discard their copy.
@@ -17,15 +20,23 @@ the same model are safe: one rename wins and the others discard their copy.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+
+from dynamicrubric import store
+
+log = logging.getLogger(__name__)
 
 BUILTIN_MODELS = ("smollm2-135m-instruct", "tiny-random")
 
@@ -58,6 +69,8 @@ def resolve_model(ref: str) -> Path:
     """Return a local Hugging Face folder for `ref` (local folder, built-in name, or hub id)."""
     if not isinstance(ref, str) or not ref.strip():
         raise ModelError(f"model reference must be a non-empty string, got {ref!r}")
+    if store.is_s3(ref):
+        return _from_store(ref)
     if ref in BUILTIN_MODELS:
         return prepare_model(ref)
     path = Path(ref).expanduser()
@@ -101,6 +114,89 @@ def _from_hub(repo_id: str) -> Path:
             f"could not fetch hub model {repo_id!r} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
             f"the hub may be unreachable from this machine: pass a local folder or one of {list(BUILTIN_MODELS)}"
         ) from e
+
+
+def _from_store(uri: str) -> Path:
+    """Download a complete model folder from the object store into the cache once (atomic rename)."""
+    final = cache_dir() / "staged" / hashlib.sha256(uri.encode()).hexdigest()[:16]
+    if (final / store.COMPLETE_MARKER).is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        try:
+            store.download_dir(uri, tmp)  # refuses a folder without its _COMPLETE marker
+        except store.StoreError as e:
+            raise ModelError(f"staged model {uri}: {e}") from e
+        if not (tmp / "config.json").is_file():
+            raise ModelError(f"staged model {uri} has no config.json: not a Hugging Face model folder")
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process in this pod finished the same download first
+            if not (final / store.COMPLETE_MARKER).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# --------------------------------------------------------------------------------------------------
+# Staging: each distinct base model once per pipeline root, read by every task from the object store
+
+STAGED_FOLDER = "models"
+STAGED_INFO = "staged.json"
+
+
+def staged_uri(pipeline_root: str, ref: str) -> str:
+    """Where `ref`'s weights are staged under an object-store pipeline root: readable and unique."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "--", ref.strip().strip("/"))[-60:]
+    digest = hashlib.sha256(ref.encode()).hexdigest()[:10]
+    return store.join(pipeline_root, STAGED_FOLDER, f"{slug}-{digest}")
+
+
+def staging_plan(refs: Iterable[str], pipeline_root: str) -> dict[str, str]:
+    """Each distinct reference -> the reference tasks load instead.
+
+    Under an `s3://` pipeline root a reference becomes its staged copy there (roles that share a
+    reference share one copy). An `s3://` reference is already staged, and under any other root
+    (a local run) references are used as they are: nothing is copied.
+    """
+    plan: dict[str, str] = {}
+    for ref in refs:
+        if ref not in plan:
+            staged = store.is_s3(pipeline_root) and not store.is_s3(ref)
+            plan[ref] = staged_uri(pipeline_root, ref) if staged else ref
+    return plan
+
+
+def stage_models(plan: dict[str, str]) -> dict[str, str]:
+    """Carry out a `staging_plan`: resolve each reference once and upload it to its staged URI.
+
+    A staged copy that is already complete is kept (a rerun, or another run under the same root,
+    costs one HEAD request); a reference used in place is still resolved here, so that a built-in
+    model is built, or a hub model fetched, once before the tasks that load it start in parallel.
+    Returns what happened to each reference ("staged", "already staged" or "in place").
+    """
+    done: dict[str, str] = {}
+    for ref, target in plan.items():
+        started = time.perf_counter()
+        if target == ref:
+            resolve_model(ref)
+            done[ref] = "in place"
+        elif store.is_complete(target):
+            done[ref] = "already staged"
+        else:
+            folder = resolve_model(ref)
+            info = {
+                "ref": ref,
+                "source": str(folder),
+                "staged_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+            store.write_bytes(store.join(target, STAGED_INFO), json.dumps(info, indent=1).encode())
+            store.upload_dir(folder, target)  # the _COMPLETE marker goes last
+            done[ref] = "staged"
+        log.info("%s -> %s: %s (%.1f s)", ref, target, done[ref], time.perf_counter() - started)
+    return done
 
 
 def prepare_model(name: str) -> Path:

@@ -297,6 +297,7 @@ def train_evaluator(
     candidate_sets: list[str],
     anchors: list[str],
     generator: str,
+    verifier: str,
     out_model: str,
     out_steps: str,
     out_metrics: str,
@@ -312,7 +313,7 @@ def train_evaluator(
         candidates=list(candidate_sets),
         anchors=list(anchors),
         generator=generator,
-        verifier=cfg.models.verifier,
+        verifier=verifier,
         out_uri=out_model,
         steps_uri=out_steps,
         metrics_uri=out_metrics,
@@ -320,7 +321,7 @@ def train_evaluator(
     )
     with tracking.stage_run(cfg, run_name, round_idx, "train_evaluator", started=started) as run:
         if run:
-            run.log_params({"generator": generator, "verifier": cfg.models.verifier})
+            run.log_params({"generator": generator, "verifier": verifier})
             for uri in candidate_sets:
                 run.log_artifact_dataset(uri, "rollouts", "input")
             for uri in anchors:
@@ -337,6 +338,7 @@ def train_policy(
     prompts: str,
     policy: str,
     generator: str,
+    verifier: str,
     out_model: str,
     out_steps: str,
     out_metrics: str,
@@ -352,7 +354,7 @@ def train_policy(
         prompts_uri=prompts,
         policy=policy,
         generator=generator,
-        verifier=cfg.models.verifier,
+        verifier=verifier,
         out_uri=out_model,
         steps_uri=out_steps,
         metrics_uri=out_metrics,
@@ -360,7 +362,7 @@ def train_policy(
     )
     with tracking.stage_run(cfg, run_name, round_idx, "train_policy", started=started) as run:
         if run:
-            run.log_params({"policy": policy, "generator": generator, "verifier": cfg.models.verifier})
+            run.log_params({"policy": policy, "generator": generator, "verifier": verifier})
             run.log_artifact_dataset(prompts, "prompts", "input")
             run.log_metrics_table(out_metrics)
             run.log_model(run_name, f"policy-round-{round_idx}", out_model, {"base": policy})
