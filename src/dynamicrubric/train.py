@@ -512,8 +512,11 @@ def _grpo(
         if metrics_uri:
             write_artifact(metrics_uri, "metrics", rows)
         _write_checkpoint(trainer, path, tcfg, tokenizer, out_uri, stage, round_idx, model_ref, final, rows)
-        for f in store.list_files(work_uri):
-            store.delete(f)
+        if store.is_s3(work_uri):
+            for f in store.list_files(work_uri):
+                store.delete(f)
+        else:
+            shutil.rmtree(store.local_path(work_uri), ignore_errors=True)  # the scratch folder is inside
         shutil.rmtree(scratch, ignore_errors=True)
     state.wait_for_everyone()
     return final
