@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
@@ -29,16 +28,62 @@ def prompts(engine: HFEngine) -> list[str]:
 
 def _valid(text: str, max_items: int) -> bool:
     """Valid against rubric_schema(max_items), checked by hand (no jsonschema dependency)."""
-    doc = json.loads(text)
+    doc = json.loads(text, strict=False)  # the schema's strings may hold raw control characters
     items = doc["items"]
-    pattern = re.compile(constrained.ITEM_TEXT_PATTERN)
+    # The schema bounds a text's characters as the grammar sees them; a random model's byte tokens may
+    # decode to replacement characters, so only the lower bound is comparable after decoding.
     return (
         set(doc) == {"items"}
         and 1 <= len(items) <= max_items
         and all(set(it) == {"text", "weight"} for it in items)
         and all(isinstance(it["weight"], int) and 1 <= it["weight"] <= 5 for it in items)
-        and all(pattern.match(it["text"]) for it in items)
+        and all(len(it["text"]) >= constrained.MIN_ITEM_CHARS for it in items)
     )
+
+
+def _mask_admits_only_what_the_matcher_accepts(tokenizer, vocab_size: int, prefix: str) -> tuple[int, list]:
+    """Walk the grammar to `prefix`, then try every token the mask allows on the matcher."""
+    import torch
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(constrained.compiled_grammar(tokenizer, 3, vocab_size=vocab_size))
+    for token in tokenizer.encode(prefix, add_special_tokens=False):
+        assert matcher.accept_token(token), prefix
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    logits = torch.zeros(1, vocab_size)
+    xgr.apply_token_bitmask_inplace(logits, bitmask)
+    allowed = torch.isfinite(logits[0]).nonzero()[:, 0].tolist()
+    refused = []
+    for token in allowed:
+        if matcher.accept_token(token):
+            matcher.rollback(1)
+        else:
+            refused.append(token)
+    return len(allowed), refused
+
+
+PREFIX = '{"items": [{"text": "Is the answer correct'
+
+
+def test_the_mask_is_exact_inside_an_item_text(engine: HFEngine) -> None:
+    """xgrammar's HF processor asserts when a sampled token that the mask allowed is refused by the
+    matcher; with a regex `pattern` on the text that happened for 106 SmolLM2 tokens."""
+    allowed, refused = _mask_admits_only_what_the_matcher_accepts(
+        engine.tokenizer, len(engine.tokenizer), PREFIX
+    )
+    assert allowed > 100 and refused == []
+
+
+@pytest.mark.slow
+def test_the_mask_is_exact_for_smollm2() -> None:
+    from transformers import AutoTokenizer
+
+    from dynamicrubric.models import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
+    allowed, refused = _mask_admits_only_what_the_matcher_accepts(tokenizer, 49152, PREFIX)
+    assert allowed > 40_000 and [tokenizer.decode([t]) for t in refused] == []
 
 
 def test_schema_shape_and_bad_input() -> None:

@@ -1,7 +1,7 @@
 """Rubrics constrained to their JSON schema while they are decoded (xgrammar).
 
 The generator's output is forced into `rubric_schema(M)`: an object {"items": [...]} with 1..M items,
-each {"text": 3..MAX_ITEM_CHARS printable characters, no '"' or backslash, "weight": an integer 1..5}.
+each {"text": a string of 3..MAX_ITEM_CHARS characters, "weight": an integer 1..5}.
 `prompts.parse_rubric` reads it as a JSON list (status "json"). Only a sample cut off by the token limit
 can fail to parse; the rubric stage counts those and scores them as empty.
 
@@ -20,11 +20,12 @@ from typing import Any
 
 MAX_ITEM_CHARS = 200  # one criterion is a sentence; the bound also bounds a rubric's token count
 MIN_ITEM_CHARS = 3  # parse_rubric drops shorter texts as "too short to be a criterion"
-# An item's text: 3..200 characters, none of them a control character, '"' or '\\' (so it needs no
-# JSON escape) or a UTF-16 surrogate (its UTF-8 bytes are invalid and decode to replacement characters).
-# A pattern rather than minLength/maxLength: xgrammar 0.2.8's length-bounded JSON string lets raw
-# control characters through, which json.loads (and so parse_rubric) rejects.
-ITEM_TEXT_PATTERN = rf"^[ -!#-\[\]-\uD7FF\uE000-\U0010FFFF]{{{MIN_ITEM_CHARS},{MAX_ITEM_CHARS}}}$"
+# An item's text is a plain length-bounded JSON string. Not a `pattern`: with xgrammar 0.2.8 a regex
+# string made the token mask inexact (at one point inside an item's text, 106 of SmolLM2's tokens,
+# e.g. ' "*', were allowed by the mask and then refused by the matcher, and xgrammar's HF processor
+# asserts on that, ending the whole batch). The length-bounded string's mask is exact (0 such tokens,
+# tests/test_constrained.py); the control characters it lets through are read by parse_rubric
+# (json.loads with strict=False), which also drops characters that cannot be stored (surrogates).
 
 _lock = threading.Lock()
 # (id(tokenizer), vocab_size, stop ids, max_items) -> (tokenizer, compiled grammar). The tokenizer is
@@ -39,7 +40,7 @@ def rubric_schema(max_items: int) -> dict:
     item = {
         "type": "object",
         "properties": {
-            "text": {"type": "string", "pattern": ITEM_TEXT_PATTERN},
+            "text": {"type": "string", "minLength": MIN_ITEM_CHARS, "maxLength": MAX_ITEM_CHARS},
             "weight": {"type": "integer", "minimum": 1, "maximum": 5},
         },
         "required": ["text", "weight"],

@@ -133,7 +133,10 @@ def _clamp_weight(value: object) -> int:
 
 
 def _clean_text(text: object) -> str:
-    return " ".join(str(text).split()).strip(" \"'`")
+    """One line of printable text: control characters become spaces, whitespace runs one space, and
+    lone surrogates (which a JSON escape can produce and UTF-8 cannot store) are dropped."""
+    chars = (ch if ch.isprintable() else " " for ch in str(text) if not "\ud800" <= ch <= "\udfff")
+    return " ".join("".join(chars).split()).strip(" \"'`")
 
 
 _JSON_OBJECT = re.compile(r"\{[^{}]*\}")
@@ -144,7 +147,7 @@ def _from_json(text: str) -> list[dict] | None:
     data = None
     if 0 <= start < end:
         try:
-            data = json.loads(text[start : end + 1])
+            data = json.loads(text[start : end + 1], strict=False)  # raw control chars
         except (json.JSONDecodeError, RecursionError):
             data = None
     if not isinstance(data, list):
@@ -152,7 +155,7 @@ def _from_json(text: str) -> list[dict] | None:
         data = []
         for match in _JSON_OBJECT.finditer(text):
             try:
-                data.append(json.loads(match.group(0)))
+                data.append(json.loads(match.group(0), strict=False))
             except json.JSONDecodeError:
                 continue
     if not data:
