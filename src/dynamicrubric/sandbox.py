@@ -342,7 +342,7 @@ def _execute(
                 proc.wait()
             duration = time.monotonic() - start
         report = _read_report(report_r)
-        survivors = _reap(proc.pid, str(base / "work"))
+        survivors = _reap(proc.pid, str(base))
         if survivors:
             log.warning("sandbox: %d process(es) of a run could not be killed: %s", len(survivors), survivors)
         if report.get("refused"):
@@ -354,7 +354,7 @@ def _execute(
         if proc is not None and proc.poll() is None:  # interrupted (e.g. KeyboardInterrupt) mid-run
             _kill_group(proc.pid)
             proc.wait()
-            _reap(proc.pid, str(base / "work"))
+            _reap(proc.pid, str(base))
         for fd in (report_r, report_w):
             if fd >= 0:
                 os.close(fd)

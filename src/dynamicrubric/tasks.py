@@ -218,25 +218,25 @@ def _humaneval_prompts(num_prompts: int, split: str, seed: int) -> list[dict]:
     random.Random(seed).shuffle(problems)
     if len(problems) < num_prompts:
         log.warning("humaneval has %d %s problems; %d were asked for", len(problems), split, num_prompts)
-    rows = []
-    for p in problems[:num_prompts]:
-        meta = {
-            "source": "humaneval",
-            "task_id": p["task_id"],
-            "prompt": p["prompt"],
-            "test": p["test"],
-            "entry_point": p["entry_point"],
-        }
-        rows.append(
-            {
-                "prompt_id": p["task_id"],
-                "task": "humaneval",
-                "prompt": f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{p['prompt']}```",
-                "reference": p["prompt"] + p["canonical_solution"],
-                "meta": json.dumps(meta),
-            }
-        )
-    return rows
+    return [humaneval_prompt_row(p) for p in problems[:num_prompts]]
+
+
+def humaneval_prompt_row(problem: dict) -> dict:
+    """The prompt row of one HumanEval problem; its meta carries what `score_response` runs."""
+    meta = {
+        "source": "humaneval",
+        "task_id": problem["task_id"],
+        "prompt": problem["prompt"],
+        "test": problem["test"],
+        "entry_point": problem["entry_point"],
+    }
+    return {
+        "prompt_id": problem["task_id"],
+        "task": "humaneval",
+        "prompt": f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{problem['prompt']}```",
+        "reference": problem["prompt"] + problem["canonical_solution"],
+        "meta": json.dumps(meta),
+    }
 
 
 def _looks_like_file(source: str) -> bool:
