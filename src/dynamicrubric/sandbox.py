@@ -99,7 +99,9 @@ class SandboxResult:
     returncode: int | None  # run_python: -N when killed by signal N; check: 0 passed, 1 failed
     duration_s: float
     isolation: str  # e.g. "mountns,view,netns,pidns,ipcns,user=nobody"; what was in force for this run
-    workdir: str  # the run's (already removed) host folder, for checks that nothing survived in it
+    # The (already removed) host folder of the fallback's working directory, for checks that nothing
+    # survived; its parent is the run's private folder, where the view is mounted.
+    workdir: str
 
 
 class SandboxError(RuntimeError):
@@ -191,7 +193,10 @@ def _run(code: str, job: dict | None, **o) -> SandboxResult:
     allow_weak = o["allow_weak"]
     if allow_weak is None:
         allow_weak = os.environ.get(ALLOW_WEAK_ENV, "").strip().lower() in ("1", "true", "yes")
-    python = o["python"] or (_fallback_python(user) if not o["namespaces"] else _base_python())
+    # The fallback has no view of the interpreter's folder: as root the code runs as `nobody`, who may
+    # not reach it (e.g. under /root), so a weak run may need another interpreter.
+    weak_possible = allow_weak or not o["namespaces"]
+    python = o["python"] or (_fallback_python(user) if weak_possible else _base_python())
     cpu = math.ceil(o["cpu_s"] if o["cpu_s"] is not None else o["timeout_s"]) + 1
     return _execute(
         code,
@@ -209,7 +214,7 @@ def _run(code: str, job: dict | None, **o) -> SandboxResult:
         disk_mb=o["disk_mb"],
         max_output_bytes=o["max_output_bytes"],
         namespaces=o["namespaces"],
-        allow_weak=allow_weak or not o["namespaces"],
+        allow_weak=weak_possible,
         tmp_root=o["tmp_root"],
     )
 
@@ -349,7 +354,7 @@ def _execute(
             raise SandboxError(report["refused"])
         stdout = _tail(stdout_path, max_output_bytes)
         stderr = _tail(stderr_path, max_output_bytes)
-        return _result(report, job is not None, timed_out, duration, stdout, stderr, str(base))
+        return _result(report, job is not None, timed_out, duration, stdout, stderr, str(base / "work"))
     finally:
         if proc is not None and proc.poll() is None:  # interrupted (e.g. KeyboardInterrupt) mid-run
             _kill_group(proc.pid)
