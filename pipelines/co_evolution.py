@@ -31,6 +31,11 @@ from dynamicrubric.config import Config
 from dynamicrubric.steps import round_seed
 
 S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
+# Stages that run policy-generated code in the sandbox (outcome ranking, HumanEval, the verifiable
+# reward). Their pods carry this label, which the cluster's policies in manifests/cluster/gvisor use
+# to run them under gVisor.
+CODE_STAGES = frozenset({"candidates", "aggregate", "evaluate", "train_policy"})
+RUNS_CODE_LABEL = ("dynamicrubric.io/runs-code", "true")
 
 
 def pipeline_variant(cfg: Config) -> str:
@@ -79,6 +84,8 @@ def _configure(cfg: Config, stage: str) -> Callable[[dsl.PipelineTask, str], dsl
                 )
         if p.s3_secret:
             kubernetes.use_secret_as_env(task, p.s3_secret, {k: k for k in S3_ENV}, optional=True)
+        if stage in CODE_STAGES:
+            kubernetes.add_pod_label(task, *RUNS_CODE_LABEL)
         for key, value in p.node_selector.items():
             kubernetes.add_node_selector(task, key, value)
         for tol in p.tolerations:
