@@ -25,7 +25,6 @@ import json
 import os
 import struct
 import sys
-import traceback
 
 MAX_FRAME = 16 << 20  # bytes in one message; a bigger answer is a failure, not a memory blow-up
 REQUESTS_FD, REPLIES_FD, VERDICT_FD = 3, 4, 5
@@ -185,6 +184,8 @@ def judge() -> None:
             raise RejectedAnswer("the tests never called the candidate")
         verdict["passed"] = True
     except BaseException as e:  # a verdict for every ending, whatever the test code raised
+        import traceback  # only on failure: each import costs startup time on every run
+
         verdict["error"] = "".join(traceback.format_exception(e, limit=-3))[-4000:]
     verdict["calls"] = candidate.calls
     os.write(VERDICT_FD, json.dumps(verdict).encode())
@@ -211,6 +212,8 @@ def worker(entry_point: str) -> None:
         exec(compile(source, "main.py", "exec"), namespace)  # noqa: S102 - the sandboxed code
         function = namespace[entry_point]
     except Exception as e:
+        import traceback
+
         traceback.print_exc()
         write_frame(REPLIES_FD, ["error", f"{type(e).__name__}: {e}"[:2000]])
         sys.exit(1)
