@@ -472,14 +472,18 @@ NO_NAMESPACES = textwrap.dedent(
     """
     import ctypes, os, sys
     libc = ctypes.CDLL(None, use_errno=True)
-    r, w = os.pipe()
+    unshared_r, unshared_w = os.pipe()  # one pipe per direction: a reader must not eat its own byte
+    mapped_r, mapped_w = os.pipe()
     child = os.fork()
     if child == 0:
+        os.close(unshared_r)
+        os.close(mapped_w)
         if libc.unshare(0x10000000) != 0:
             os._exit(3)
-        os.write(w, b"x")
-        os.close(w)
-        os.read(r, 1)
+        os.write(unshared_w, b"x")
+        os.close(unshared_w)
+        if os.read(mapped_r, 1) != b"y":
+            os._exit(4)
         os.setgid(0)
         os.setuid(0)
         for kind in ("mnt", "net", "pid", "ipc", "user"):
@@ -487,11 +491,13 @@ NO_NAMESPACES = textwrap.dedent(
                 f.write("0")
         exec(compile(sys.argv[1], "<code>", "exec"))
         sys.exit(0)
-    os.read(r, 1)
-    for name in ("uid_map", "gid_map"):
-        with open(f"/proc/{child}/{name}", "w") as f:
-            f.write("0 0 65536")
-    os.write(w, b"y")
+    os.close(unshared_w)
+    os.close(mapped_r)
+    if os.read(unshared_r, 1) == b"x":  # else the child failed and has exited
+        for name in ("uid_map", "gid_map"):
+            with open(f"/proc/{child}/{name}", "w") as f:
+                f.write("0 0 65536")
+        os.write(mapped_w, b"y")
     sys.exit(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
     """
 )

@@ -1,8 +1,8 @@
 """The sandbox's launcher: makes a run's namespaces and view, then starts the judge and the code.
 
-Run by `sandbox.py` as `python -I -S _sandbox_launcher.py CONFIG_PATH` in a new session, as the
-caller's user (root locally and in CI). Standard library only, and few imports: it starts for every
-run. The module docstring of `sandbox.py` says what each step is for.
+Run by `sandbox.py` as `python -I -S _sandbox_launcher.py`, with the run's config as JSON on stdin, in
+a new session, as the caller's user (root locally and in CI). Standard library only, and few imports:
+it starts for every run. The module docstring of `sandbox.py` says what each step is for.
 """
 
 from __future__ import annotations
@@ -144,7 +144,9 @@ def _build_view(config: dict) -> None:
     root, scratch = f"{base}/root", f"{base}/scratch"
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here propagates to the host
     # One size-capped tmpfs is all the code can write: the disk quota, shared by its four uses.
-    _mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"size={config['disk_mb']}m,mode=755")
+    _mount(
+        "tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"size={config['disk_mb']}m,nr_inodes=16k,mode=755"
+    )
     owner = config["user"] or [os.getuid(), os.getgid()]
     for name in ("work", "tmp", "var_tmp", "shm"):
         os.mkdir(f"{scratch}/{name}", 0o700)
@@ -322,10 +324,11 @@ def _refusal(isolation: dict) -> str:
     )
 
 
-def _launch(config_path: str) -> int:
-    with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
-    os.unlink(config_path)  # in the fallback the code's user could read it; it holds the tests
+def _launch() -> int:
+    config = json.loads(_read_all(0))  # the parent writes it to our stdin; it holds the tests
+    null = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(null, 0)  # what the code inherits as stdin
+    os.close(null)
     report_fd = config["report_fd"]
     os.set_inheritable(report_fd, False)  # the code must not be able to forge the report
     isolation = {"user": config["user_name"], "notes": []}
@@ -411,4 +414,4 @@ def _launch(config_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_launch(sys.argv[1]))
+    sys.exit(_launch())

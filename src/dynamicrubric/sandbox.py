@@ -320,16 +320,12 @@ def _execute(
         }
         report_r, report_w = os.pipe()
         config["report_fd"] = report_w
-        config_path = base / "config.json"  # root-only; the launcher deletes it before running anything
-        fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(config, f)
         stdout_path, stderr_path = base / "stdout", base / "stderr"
         with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
             start = time.monotonic()
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", str(LAUNCHER), str(config_path)],
-                stdin=subprocess.DEVNULL,
+                [sys.executable, "-I", "-S", str(LAUNCHER)],
+                stdin=subprocess.PIPE,  # the config, tests included: on a pipe, never in a file or argv
                 stdout=out,
                 stderr=err,
                 pass_fds=(report_w,),
@@ -339,6 +335,9 @@ def _execute(
             )
             os.close(report_w)
             report_w = -1
+            with contextlib.suppress(BrokenPipeError):  # a launcher that died early is reported below
+                proc.stdin.write(json.dumps(config).encode())
+            proc.stdin.close()
             timed_out = not _wait(proc, timeout_s)
             if timed_out:
                 _kill_group(proc.pid)
