@@ -7,11 +7,12 @@ read-only view where this package is not installed.
 - The worker (untrusted) runs the completion's program (`main.py`: the problem's prompt plus the
   completion) and then serves calls: it reads `[args, kwargs]` frames on fd 3, calls the entry point
   and writes the result as a plain value on fd 4. It never sees the tests.
-- The judge (trusted, another process, another user, outside the worker's PID namespace) runs the
+- The judge (trusted, another process, another user, outside the workers' PID namespaces) runs the
   problem's prompt (for its helpers, with the stub's body left empty) and the test code, with
-  `candidate` bound to a proxy that sends each call to the worker and returns the decoded result.
-  The verdict is the judge's: `check(candidate)` returned normally, every assertion held and no
-  answer was rejected. It is written to fd 5, which only the launcher reads.
+  `candidate` bound to a proxy that sends each call to a worker and returns the decoded result; one
+  run after the other, each with a fresh namespace and its own deadline. The verdict is the judge's:
+  `check(candidate)` returned normally, every assertion held and no answer was rejected. It is written
+  to fd 3, which only the launcher reads.
 
 Values cross between the two as JSON trees of exact builtin types (`to_plain` / `from_plain`): the
 judge's decoder builds only int, float, complex, str, bytes, bool, None, list, tuple, dict, set and
@@ -23,11 +24,14 @@ builtin `==`. The worker's encoder refuses subclasses and other types (an object
 import builtins
 import json
 import os
+import select
 import struct
 import sys
+import time
 
 MAX_FRAME = 16 << 20  # bytes in one message; a bigger answer is a failure, not a memory blow-up
-REQUESTS_FD, REPLIES_FD, VERDICT_FD = 3, 4, 5
+REQUESTS_FD, REPLIES_FD = 3, 4  # the worker's ends
+VERDICT_FD = 3  # the judge's: one verdict a line; run i's calls go out on fd 4+2i, answers come on 5+2i
 PR_SET_DUMPABLE = 4
 
 _SCALARS = (type(None), bool, int, float, str)
@@ -93,9 +97,13 @@ def write_frame(fd: int, message: object) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _read_exactly(fd: int, n: int) -> bytes:
+def _read_exactly(fd: int, n: int, deadline: float | None) -> bytes:
     chunks, left = [], n
     while left:
+        if deadline is not None:
+            wait = deadline - time.monotonic()
+            if wait <= 0 or not select.select([fd], [], [], wait)[0]:
+                raise TimeoutError("no answer within the run's time")
         chunk = os.read(fd, min(left, 1 << 20))
         if not chunk:
             raise EOFError("the other side closed the channel")
@@ -104,11 +112,11 @@ def _read_exactly(fd: int, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_frame(fd: int) -> object:
-    (size,) = struct.unpack(">I", _read_exactly(fd, 4))
+def read_frame(fd: int, deadline: float | None = None) -> object:
+    (size,) = struct.unpack(">I", _read_exactly(fd, 4, deadline))
     if size > MAX_FRAME:
         raise ValueError(f"message of {size} bytes exceeds {MAX_FRAME}")
-    return json.loads(_read_exactly(fd, size))
+    return json.loads(_read_exactly(fd, size, deadline))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -124,18 +132,20 @@ class CandidateRaised(Exception):  # noqa: N818 - stands for the candidate's own
 
 
 class Candidate:
-    """Stands for the completion's function in the judge: each call runs in the worker."""
+    """Stands for the completion's function in the judge: each call runs in the run's worker."""
 
-    def __init__(self) -> None:
+    def __init__(self, requests_fd: int, replies_fd: int, deadline: float) -> None:
+        self.requests_fd, self.replies_fd, self.deadline = requests_fd, replies_fd, deadline
         self.calls = 0
         self.rejected: str | None = None
+        self.timed_out = False
 
     def __call__(self, *args: object, **kwargs: object) -> object:
         self.calls += 1
         request = [to_plain(list(args)), to_plain(kwargs)]  # the tests' own arguments: plain
         try:
-            write_frame(REQUESTS_FD, request)
-            reply = read_frame(REPLIES_FD)
+            write_frame(self.requests_fd, request)
+            reply = read_frame(self.replies_fd, self.deadline)
             kind = reply[0] if type(reply) is list and reply else None
             if kind == "return" and len(reply) == 2:
                 return from_plain(reply[1])
@@ -145,6 +155,9 @@ class Candidate:
                 self.rejected = f"the candidate's answer was rejected: {str(reply[1])[:500]}"
             else:
                 self.rejected = f"unexpected reply {str(reply)[:200]}"
+        except TimeoutError as e:
+            self.timed_out = True
+            self.rejected = str(e)
         except (OSError, EOFError, ValueError, TypeError, RecursionError, OverflowError, MemoryError) as e:
             self.rejected = f"no valid answer from the candidate: {type(e).__name__}: {str(e)[:500]}"
         if self.rejected:
@@ -161,19 +174,32 @@ def _exception(name: str, message: str) -> Exception:
 
 
 def judge() -> None:
-    """Run the tests against the worker; write the verdict to VERDICT_FD. Never trusts the worker."""
+    """Run the tests against each run's worker in turn; write each verdict to VERDICT_FD as it is known.
+
+    Never trusts a worker: what comes from it is only ever decoded into plain values.
+    """
     _non_dumpable()
-    verdict: dict = {"passed": False, "calls": 0, "error": None}
-    candidate = Candidate()
+    job = json.loads(sys.stdin.buffer.read())
+    for run in range(job["runs"]):
+        start = time.monotonic()
+        requests_fd, replies_fd = 4 + 2 * run, 5 + 2 * run
+        verdict = _judge_run(job, Candidate(requests_fd, replies_fd, start + job["timeout_s"]))
+        verdict.update(run=run, duration_s=round(time.monotonic() - start, 4))
+        os.close(requests_fd)  # the worker sees EOF and ends
+        os.close(replies_fd)
+        os.write(VERDICT_FD, json.dumps(verdict).encode() + b"\n")
+
+
+def _judge_run(job: dict, candidate: Candidate) -> dict:
+    verdict: dict = {"passed": False, "timed_out": False, "calls": 0, "error": None}
     try:
-        job = json.loads(sys.stdin.buffer.read())
-        ready = read_frame(REPLIES_FD)
+        ready = read_frame(candidate.replies_fd, candidate.deadline)
         if ready != ["ready"]:
             raise RejectedAnswer(f"the completion did not load: {str(ready)[:2000]}")
         namespace: dict = {"__name__": "__judge__"}
         # The prompt for its imports and helpers (tests use some, e.g. poly in HumanEval/32); the
         # stub it ends with gets an empty body and is then replaced by the proxy, as tests may call
-        # the function by name (HumanEval/33).
+        # the function by name (HumanEval/33). A fresh namespace per run: no state carries over.
         exec(compile(job["prompt"] + "    pass\n", "<prompt>", "exec"), namespace)  # noqa: S102 - trusted
         namespace[job["entry_point"]] = candidate
         exec(compile(job["test"], "<test>", "exec"), namespace)  # noqa: S102 - the problem's own tests
@@ -183,12 +209,15 @@ def judge() -> None:
         if candidate.calls == 0:
             raise RejectedAnswer("the tests never called the candidate")
         verdict["passed"] = True
+    except TimeoutError:  # waiting for "ready"
+        candidate.timed_out = True
+        verdict["error"] = "no answer within the run's time"
     except BaseException as e:  # a verdict for every ending, whatever the test code raised
         import traceback  # only on failure: each import costs startup time on every run
 
         verdict["error"] = "".join(traceback.format_exception(e, limit=-3))[-4000:]
-    verdict["calls"] = candidate.calls
-    os.write(VERDICT_FD, json.dumps(verdict).encode())
+    verdict.update(calls=candidate.calls, timed_out=candidate.timed_out)
+    return verdict
 
 
 def _non_dumpable() -> None:

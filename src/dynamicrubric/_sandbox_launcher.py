@@ -34,6 +34,8 @@ SETUP_FAILED = 127  # exit code of a launcher child that could not exec
 JUDGE_UID = 65533  # the judge's user when running as root: not `nobody`, who runs the code
 ALLOW_WEAK_ENV = "DYNRUBRIC_SANDBOX_ALLOW_WEAK"
 VIEW_DIR = "/sandbox"  # the code's working directory inside the view
+# A run's writable folders: name in its tmpfs -> place in the view
+SCRATCH = {"work": VIEW_DIR, "tmp": "/tmp", "var_tmp": "/var/tmp", "shm": "/dev/shm"}
 DEVICES = ("null", "zero", "full", "random", "urandom")
 
 # Prepended to what the code runs when no network namespace could be made: refuses the operations
@@ -139,21 +141,10 @@ def _bind_read_only(source: str, target: str) -> None:
 
 
 def _build_view(config: dict) -> None:
-    """The code's filesystem (see the module docstring), mounted under base/root in this namespace."""
-    base = config["base"]
-    root, scratch = f"{base}/root", f"{base}/scratch"
+    """The read-only part of the code's filesystem (see sandbox.py), mounted under base/root in this
+    namespace. Each run adds its own writable tmpfs in a namespace of its own (`_mount_scratch`)."""
+    root = f"{config['base']}/root"
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here propagates to the host
-    # One size-capped tmpfs is all the code can write: the disk quota, shared by its four uses.
-    _mount(
-        "tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"size={config['disk_mb']}m,nr_inodes=16k,mode=755"
-    )
-    owner = config["user"] or [os.getuid(), os.getgid()]
-    for name in ("work", "tmp", "var_tmp", "shm"):
-        os.mkdir(f"{scratch}/{name}", 0o700)
-    for name in ("tmp", "var_tmp", "shm"):
-        os.chmod(f"{scratch}/{name}", 0o1777)
-    _write_code(f"{scratch}/work", config["code"], owner)
-
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
     done: list[str] = []
     for path in config["exposed"]:
@@ -186,15 +177,33 @@ def _build_view(config: dict) -> None:
         os.symlink(target, f"{dev}/{name}")
     os.symlink("/proc/self/fd/1", f"{dev}/stdout")
     os.symlink("/proc/self/fd/2", f"{dev}/stderr")
-    for name, inside in (("shm", "/dev/shm"), ("tmp", "/tmp"), ("var_tmp", "/var/tmp"), ("work", VIEW_DIR)):
+    for inside in SCRATCH.values():
         os.makedirs(root + inside, exist_ok=True)
-        _mount(f"{scratch}/{name}", root + inside, None, MS_BIND)
-    os.mkdir(f"{root}/proc")  # mounted by init, inside the PID namespace
+    os.mkdir(f"{root}/proc")  # mounted by each run's init, inside its PID namespace
     _mount(None, dev, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
     _mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
+def _mount_scratch(config: dict, run: int) -> None:
+    """One run's writable storage, in a mount namespace of the run's own: a size-capped tmpfs (the disk
+    quota, shared by its four uses) bound at the working directory, /tmp, /var/tmp and /dev/shm."""
+    _check(_libc_call("unshare", CLONE_NEWNS))
+    base = config["base"]
+    scratch = f"{base}/scratch-{run}"
+    os.mkdir(scratch, 0o700)
+    _mount(
+        "tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"size={config['disk_mb']}m,nr_inodes=16k,mode=755"
+    )
+    for name in SCRATCH:
+        os.mkdir(f"{scratch}/{name}", 0o700 if name == "work" else 0o1777)
+        os.chmod(f"{scratch}/{name}", 0o700 if name == "work" else 0o1777)  # mkdir applies the umask
+    _write_code(f"{scratch}/work", config["codes"][run], config["user"] or [os.getuid(), os.getgid()])
+    for name, inside in SCRATCH.items():
+        _mount(f"{scratch}/{name}", f"{base}/root{inside}", None, MS_BIND)
+
+
 def _write_code(folder: str, code: str, owner: list[int]) -> None:
+    os.makedirs(folder, mode=0o700, exist_ok=True)
     path = f"{folder}/main.py"
     with open(path, "w", encoding="utf-8") as f:
         f.write(code)
@@ -204,7 +213,7 @@ def _write_code(folder: str, code: str, owner: list[int]) -> None:
 
 def _set_fds(mapping: dict[int, int]) -> None:
     """Make fd `target` a copy of `source` for each item, whatever numbers the sources have."""
-    high = {target: fcntl.fcntl(source, fcntl.F_DUPFD_CLOEXEC, 100) for target, source in mapping.items()}
+    high = {target: fcntl.fcntl(source, fcntl.F_DUPFD_CLOEXEC, 1000) for target, source in mapping.items()}
     for target, source in high.items():
         os.dup2(source, target)  # inheritable: kept across exec
 
@@ -229,57 +238,97 @@ def _drop_privileges(limits: dict, user: list[int] | None, nproc: int | None) ->
     _check(_libc_call("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))
 
 
-def _exec_in_child(config: dict, error_w: int, *, judge: bool, fds: dict[int, int]) -> None:
-    """Runs in a forked child: enter the view, set limits and user, exec the judge or the code."""
+def _exec_judge(config: dict, error_w: int, fds: dict[int, int]) -> None:
+    """Runs in a forked child: the judge, in the view (no writable storage at all), as its own user."""
     try:
         _set_fds(fds)
-        view = config["isolation"]["view"]
-        user = config["user"]
-        # RLIMIT_NPROC counts all of the uid's processes. In a fresh user namespace (kernel >= 5.14) the
-        # count starts near zero; otherwise the uid's existing processes (counted before the chroot
-        # hides them) are added.
-        nproc = config["limits"]["nproc"]
-        if not judge:
-            nproc += (
-                2 if config["isolation"]["userns"] else _count_processes(user[0] if user else os.getuid())
-            )
-        if view:
+        if config["isolation"]["view"]:
             os.chroot(f"{config['base']}/root")
-        python, source = config["python"], config["child_source"]
-        env = {"PATH": SAFE_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
-        if judge:
-            os.chdir("/")
-            user = [JUDGE_UID, JUDGE_UID] if user else None
-            limits = {**config["limits"], "fsize": 1 << 20, "nofile": 64}
-            _drop_privileges(limits, user, None)
-            argv = [python, "-I", "-S", "-c", source, "judge"]
-        else:
-            workdir = VIEW_DIR if view else f"{config['base']}/work"
-            env.update(HOME=workdir, TMPDIR="/tmp" if view else workdir)
-            _drop_privileges(config["limits"], user, nproc)
-            os.chdir(workdir)
-            guard = "" if config["isolation"]["netns"] else _FALLBACK_GUARD
-            if config["job"] is None:
-                argv = [python, "-I", "-S", "-c", guard + _RUN_SCRIPT]
-            else:
-                argv = [python, "-I", "-S", "-c", guard + source, "worker", config["job"]["entry_point"]]
-        os.execve(python, argv, env)
+        os.chdir("/")
+        user = [JUDGE_UID, JUDGE_UID] if config["user"] else None
+        limits = {**config["limits"], "fsize": 1 << 20, "nofile": 64 + len(fds)}
+        _drop_privileges(limits, user, None)
+        python = config["python"]
+        os.execve(python, [python, "-I", "-S", "-c", config["child_source"], "judge"], _env("/"))
     except BaseException as e:  # report anything, then leave without running cleanup handlers
         try:
-            os.write(error_w, f"{'judge' if judge else 'code'}: {type(e).__name__}: {e}\n".encode())
+            os.write(error_w, f"judge: {type(e).__name__}: {e}\n".encode())
         finally:
             os._exit(SETUP_FAILED)
 
 
-def _init(config: dict, error_w: int, status_w: int, code_fds: dict[int, int], others: list[int]) -> None:
-    """PID 1 of the new PID namespace (when there is one): runs the code as its child and reaps.
+def _exec_code(config: dict, run: int, error_w: int, fds: dict[int, int]) -> None:
+    """Runs in a forked child: the code of one run, in the view, as the sandbox user, with limits."""
+    try:
+        _set_fds(fds)
+        view, user = config["isolation"]["view"], config["user"]
+        # RLIMIT_NPROC counts all of the uid's processes. In a fresh user namespace (kernel >= 5.14) the
+        # count starts near zero; otherwise the uid's existing processes (counted before the chroot
+        # hides them) are added.
+        nproc = config["limits"]["nproc"]
+        nproc += 2 if config["isolation"]["userns"] else _count_processes(user[0] if user else os.getuid())
+        if view:
+            os.chroot(f"{config['base']}/root")
+        workdir = VIEW_DIR if view else f"{config['base']}/work-{run}"
+        _drop_privileges(config["limits"], user, nproc)
+        os.chdir(workdir)
+        guard = "" if config["isolation"]["netns"] else _FALLBACK_GUARD
+        python = config["python"]
+        if config["job"] is None:
+            argv = [python, "-I", "-S", "-c", guard + _RUN_SCRIPT]
+        else:
+            argv = [
+                python,
+                "-I",
+                "-S",
+                "-c",
+                guard + config["child_source"],
+                "worker",
+                config["job"]["entry_point"],
+            ]
+        env = {**_env(workdir), "TMPDIR": "/tmp" if view else workdir}
+        os.execve(python, argv, env)
+    except BaseException as e:
+        try:
+            os.write(error_w, f"code[{run}]: {type(e).__name__}: {e}\n".encode())
+        finally:
+            os._exit(SETUP_FAILED)
+
+
+def _env(home: str) -> dict[str, str]:
+    return {"PATH": SAFE_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": home}
+
+
+def _supervise(config: dict, run: int, error_w: int, status_w: int, fds: dict[int, int]) -> None:
+    """One run's supervisor (a forked child of the launcher; never returns): its own mount namespace
+    and tmpfs, then a PID namespace whose init runs the code and reaps. Killing this process kills the
+    run: init dies with it (PDEATHSIG), and the kernel then kills everything in the namespace."""
+    try:
+        _check(_libc_call("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))
+        if config["isolation"]["view"]:
+            _mount_scratch(config, run)
+        if config["isolation"]["pidns"]:
+            _check(_libc_call("unshare", CLONE_NEWPID))
+        init = os.fork()
+        if init == 0:
+            _init(config, run, error_w, status_w, fds)
+        os.close(error_w)
+        os.close(status_w)
+        os.waitpid(init, 0)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.write(error_w, f"run {run}: {type(e).__name__}: {e}\n".encode())
+    finally:
+        os._exit(0)
+
+
+def _init(config: dict, run: int, error_w: int, status_w: int, fds: dict[int, int]) -> None:
+    """PID 1 of the run's PID namespace (when there is one): runs the code as its child and reaps.
 
     The code is not PID 1 itself, so signals behave as usual for it and orphans get reaped. When this
     process exits, the kernel kills everything left in the namespace. Never returns.
     """
     try:
-        for fd in others:  # pipe ends of the launcher and the judge: the code must not hold them
-            os.close(fd)
         _check(_libc_call("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))
         if config["isolation"]["view"]:
             # Refused e.g. in a user namespace under a masked /proc: the code then has no /proc at all.
@@ -287,22 +336,23 @@ def _init(config: dict, error_w: int, status_w: int, code_fds: dict[int, int], o
                 _mount("proc", f"{config['base']}/root/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         child = os.fork()
         if child == 0:
-            _exec_in_child(config, error_w, judge=False, fds=code_fds)
+            _exec_code(config, run, error_w, fds)
         os.close(error_w)
-        for fd in code_fds.values():
+        for fd in fds.values():
             os.close(fd)
         while True:  # reap orphans re-parented to us until the code's own process ends
             pid, status = os.waitpid(-1, 0)
             if pid == child:
                 break
         result = {
+            "run": run,
             "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
             "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
         }
-        os.write(status_w, json.dumps(result).encode())
+        os.write(status_w, json.dumps(result).encode() + b"\n")
     except BaseException as e:
         with contextlib.suppress(OSError):
-            os.write(error_w, f"sandbox init: {type(e).__name__}: {e}".encode())
+            os.write(error_w, f"init {run}: {type(e).__name__}: {e}\n".encode())
     finally:
         os._exit(0)
 
@@ -315,12 +365,33 @@ def _read_all(fd: int) -> bytes:
     return data
 
 
+def _lines(fd: int):
+    """JSON objects, one a line, as they arrive; ends at EOF."""
+    buffer = b""
+    while chunk := os.read(fd, 65536):
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            with contextlib.suppress(json.JSONDecodeError):
+                yield json.loads(line)
+    os.close(fd)
+
+
+def _pidns_allowed() -> str | None:
+    """Whether a PID namespace can be made here (asked in a throwaway child); None if so, else why."""
+    child = os.fork()
+    if child == 0:
+        os._exit(1 if _libc_call("unshare", CLONE_NEWPID) else 0)
+    _, status = os.waitpid(child, 0)
+    return None if os.waitstatus_to_exitcode(status) == 0 else "unshare(CLONE_NEWPID) failed"
+
+
 def _refusal(isolation: dict) -> str:
     missing = [n for n in ("mountns", "view", "netns", "pidns") if not isolation.get(n)]
     return (
         f"sandbox: no isolated run is possible here (missing: {', '.join(missing)}; "
         f"{'; '.join(isolation['notes'])}). Run as root or where user namespaces are allowed, or in a "
-        f"gVisor pod (manifests/), and set {ALLOW_WEAK_ENV}=1 to accept the weaker fallback there."
+        f"gVisor pod (manifests/cluster/gvisor), and set {ALLOW_WEAK_ENV}=1 to accept the weaker fallback there."
     )
 
 
@@ -331,6 +402,10 @@ def _launch() -> int:
     os.close(null)
     report_fd = config["report_fd"]
     os.set_inheritable(report_fd, False)  # the code must not be able to forge the report
+
+    def report(item: dict) -> None:
+        os.write(report_fd, json.dumps(item).encode() + b"\n")
+
     isolation = {"user": config["user_name"], "notes": []}
     isolation.update(dict.fromkeys(("userns", "mountns", "view", "netns", "pidns", "ipcns"), False))
     config["isolation"] = isolation
@@ -342,74 +417,92 @@ def _launch() -> int:
                 isolation["view"] = True
             except OSError as e:
                 isolation["notes"].append(f"no read-only view ({e}); the host filesystem is visible")
-    else:
-        isolation["notes"].append("namespaces disabled by the caller; using the fallback guards")
-    if not isolation["view"]:
-        _write_code(f"{config['base']}/work", config["code"], config["user"] or [os.getuid(), os.getgid()])
-    # Same-user processes (the fallback) can then neither ptrace this process nor read its memory.
-    _check(_libc_call("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0))
-    job = config["job"]
-    error_r, error_w = os.pipe()  # setup errors; EOF once every child has exec'd (close-on-exec)
-    judge_pid = None
-    code_fds: dict[int, int] = {}
-    launcher_fds: list[int] = []
-    if job is not None:
-        job_r, job_w = os.pipe()
-        req_r, req_w = os.pipe()
-        rep_r, rep_w = os.pipe()
-        verdict_r, verdict_w = os.pipe()
-        # The judge is made before the PID namespace, so the code's namespace does not contain it.
-        judge_pid = os.fork()
-        if judge_pid == 0:
-            _exec_in_child(config, error_w, judge=True, fds={0: job_r, 3: req_w, 4: rep_r, 5: verdict_w})
-        for fd in (job_r, req_w, rep_r, verdict_w):
-            os.close(fd)
-        code_fds = {3: req_r, 4: rep_w}
-        launcher_fds = [job_w, verdict_r]
-    if config["namespaces"]:
-        err = _libc_call("unshare", CLONE_NEWPID)
+        err = _pidns_allowed()
         if err:
             isolation["notes"].append(f"no pidns ({err}); stray processes are found by session and folder")
-        else:
-            isolation["pidns"] = True
-    refused = not config["allow_weak"] and not all(
-        isolation[n] for n in ("mountns", "view", "netns", "pidns")
-    )
-    if not refused and not all(isolation[n] for n in ("mountns", "view", "netns", "pidns")):
+        isolation["pidns"] = err is None
+    else:
+        isolation["notes"].append("namespaces disabled by the caller; using the fallback guards")
+    complete = all(isolation[n] for n in ("mountns", "view", "netns", "pidns"))
+    if not complete and config["allow_weak"]:
         isolation["notes"].append(f"running with weak isolation ({ALLOW_WEAK_ENV} or allow_weak)")
-    os.write(report_fd, json.dumps({"isolation": isolation}).encode() + b"\n")
-    if refused:
-        if judge_pid:
-            os.kill(judge_pid, signal.SIGKILL)
-        os.write(report_fd, json.dumps({"refused": _refusal(isolation)}).encode() + b"\n")
+    report({"isolation": isolation})
+    if not complete and not config["allow_weak"]:
+        report({"refused": _refusal(isolation)})
         return 0
-    status_r, status_w = os.pipe()  # the code's exit status, from init
-    init = os.fork()
-    if init == 0:
-        _init(config, error_w, status_w, code_fds, [error_r, status_r, *launcher_fds])
-    for fd in (error_w, status_w, *code_fds.values()):
-        os.close(fd)
-    outcome: dict = {"verdict": None}
+    runs, job, base = len(config["codes"]), config["job"], config["base"]
+    owner = config["user"] or [os.getuid(), os.getgid()]
+    if not isolation["view"]:
+        for run, code in enumerate(config["codes"]):
+            _write_code(f"{base}/work-{run}", code, owner)
+    # Same-user processes (the fallback) can then neither ptrace this process nor read its memory.
+    _check(_libc_call("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0))
+
+    error_r, error_w = os.pipe()  # setup errors; EOF once every child has exec'd (close-on-exec)
+    status_r, status_w = os.pipe()  # the runs' exit statuses, from their inits
+    code_fds = []
+    for run in range(runs):  # stdout, stderr: files the parent reads; the code writes its end only
+        out, err = (
+            os.open(f"{base}/{n}-{run}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600) for n in ("out", "err")
+        )
+        code_fds.append({1: out, 2: err})
+    judge_pid, launcher_ends = None, []
+    if job is not None:
+        job_r, job_w = os.pipe()
+        verdict_r, verdict_w = os.pipe()
+        judge_fds = {0: job_r, 3: verdict_w}
+        for run in range(runs):  # the judge's calls to run i go out on fd 4+2i, answers come on 5+2i
+            req_r, req_w = os.pipe()
+            rep_r, rep_w = os.pipe()
+            judge_fds.update({4 + 2 * run: req_w, 5 + 2 * run: rep_r})
+            code_fds[run].update({3: req_r, 4: rep_w})
+        judge_pid = os.fork()  # in the launcher's PID namespace: no run's code can see or signal it
+        if judge_pid == 0:
+            _exec_judge(config, error_w, judge_fds)
+        for fd in judge_fds.values():
+            os.close(fd)
+        launcher_ends = [job_w, verdict_r]
+    supervisors = {}
+    for run in range(runs):
+        pid = os.fork()
+        if pid == 0:
+            for other, fds in enumerate(code_fds):  # another run's ends must not reach this run's code
+                if other != run:
+                    for fd in fds.values():
+                        os.close(fd)
+            for fd in (error_r, status_r, *launcher_ends):
+                os.close(fd)
+            _supervise(config, run, error_w, status_w, code_fds[run])
+        supervisors[run] = pid
+    for fds in code_fds:
+        for fd in fds.values():
+            os.close(fd)
+    os.close(error_w)
+    os.close(status_w)
+
     if job is not None:
         with contextlib.suppress(BrokenPipeError):  # a judge that died early is reported below
-            os.write(launcher_fds[0], json.dumps(job).encode())
-        os.close(launcher_fds[0])
+            os.write(launcher_ends[0], json.dumps({**job, "runs": runs}).encode())
+        os.close(launcher_ends[0])
     setup_error = _read_all(error_r).decode(errors="replace")
+    if setup_error:
+        report({"setup_error": setup_error})
     if job is not None:
-        verdict = _read_all(launcher_fds[1])
-        with contextlib.suppress(json.JSONDecodeError):
-            outcome["verdict"] = json.loads(verdict) if verdict else None
-        os.kill(init, signal.SIGKILL)  # the verdict is in; whatever the code still does is cut off
+        for verdict in _lines(launcher_ends[1]):  # one a line, as the judge decides them
+            run = verdict.get("run")
+            if run in supervisors:
+                report({"verdict": verdict})
+                # That run is decided: end it now, so it takes no CPU from the runs still being judged.
+                os.kill(supervisors[run], signal.SIGKILL)
+        for pid in supervisors.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         os.waitpid(judge_pid, 0)
-    status = json.loads(_read_all(status_r) or b"{}")
-    os.waitpid(init, 0)
-    missing_status = job is None and not status
-    outcome.update(
-        setup_error=setup_error or ("init ended without a status" if missing_status else None),
-        exit_code=status.get("exit_code"),
-        signal=status.get("signal"),
-    )
-    os.write(report_fd, json.dumps(outcome).encode() + b"\n")
+    for status in _lines(status_r):
+        report({"status": status})
+    for pid in supervisors.values():
+        os.waitpid(pid, 0)
+    report({"done": True})
     return 0
 
 

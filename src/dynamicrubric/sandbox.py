@@ -140,18 +140,32 @@ def run_python(
     this one is based on (the code sees the standard library only, no site-packages). tmp_root is
     where the run's host folder is made (default: the system temp dir).
     """
-    return _run(code, None, **_checked_options(locals()))
+    (result,) = _run([code], None, **_checked_options(locals()))
+    return result
 
 
 def check_humaneval(problem: dict, completion: str, timeout_s: float = 10.0, **kwargs) -> SandboxResult:
     """Judge a HumanEval completion: passed means the problem's tests ran to the end and every assert
     held on plain values. kwargs are run_python's limits and options."""
+    (result,) = check_humaneval_many(problem, [completion], timeout_s, **kwargs)
+    return result
+
+
+def check_humaneval_many(
+    problem: dict, completions: list[str], timeout_s: float = 10.0, **kwargs
+) -> list[SandboxResult]:
+    """Judge several completions of one problem (a policy's K samples) with one launcher, one read-only
+    view and one judge; each completion still runs in its own PID and mount namespace with its own
+    tmpfs and limits, so none can see, signal or leave files for another. timeout_s is per completion.
+    Results come in the order of `completions`, each as check_humaneval would give it."""
     for key in ("prompt", "test", "entry_point"):
         if key not in problem:
             raise ValueError(f"HumanEval problem lacks {key!r}; has {sorted(problem)}")
+    if not completions:
+        return []
     job = {"prompt": problem["prompt"], "test": problem["test"], "entry_point": problem["entry_point"]}
     options = _checked_options({"timeout_s": timeout_s, **_defaults(), **kwargs})
-    return _run(problem["prompt"] + completion, job, **options)
+    return _run([problem["prompt"] + c for c in completions], job, **options)
 
 
 def humaneval_program(problem: dict, completion: str) -> str:
@@ -189,7 +203,7 @@ def _checked_options(options: dict) -> dict:
     return options
 
 
-def _run(code: str, job: dict | None, **o) -> SandboxResult:
+def _run(codes: list[str], job: dict | None, **o) -> list[SandboxResult]:
     user = _sandbox_user()
     allow_weak = o["allow_weak"]
     if allow_weak is None:
@@ -200,7 +214,7 @@ def _run(code: str, job: dict | None, **o) -> SandboxResult:
     python = o["python"] or (_fallback_python(user) if weak_possible else _base_python())
     cpu = math.ceil(o["cpu_s"] if o["cpu_s"] is not None else o["timeout_s"]) + 1
     return _execute(
-        code,
+        codes,
         job=job,
         python=python,
         user=user,
@@ -280,7 +294,7 @@ def _fallback_python(user: tuple[int, int, str] | None) -> str:
 
 
 def _execute(
-    code: str,
+    codes: list[str],
     *,
     job: dict | None,
     python: str,
@@ -292,21 +306,20 @@ def _execute(
     namespaces: bool,
     allow_weak: bool,
     tmp_root: str | None,
-) -> SandboxResult:
+) -> list[SandboxResult]:
     base = Path(tempfile.mkdtemp(prefix="dynrubric-sandbox-", dir=tmp_root))
     proc: subprocess.Popen | None = None
     report_r = report_w = -1
     try:
-        # Mount points of the view (only mounted inside the run's namespace), and the fallback's
-        # working directory, which `nobody` may reach by traversing (not listing) base.
-        for name in ("root", "scratch", "work"):
-            (base / name).mkdir(mode=0o700)
+        # The view's mount point (only mounted inside the runs' namespaces); `nobody` may traverse
+        # (not list) base to reach a fallback run's working directory.
+        (base / "root").mkdir(mode=0o700)
         os.chmod(base, 0o711)
         exposed = _exposed(python)
         config = {
             "python": python,
-            "code": code,
-            "job": job,
+            "codes": codes,
+            "job": None if job is None else {**job, "timeout_s": timeout_s},
             "child_source": _child_source(),
             "base": str(base),
             "user": list(user[:2]) if user else None,
@@ -320,14 +333,13 @@ def _execute(
         }
         report_r, report_w = os.pipe()
         config["report_fd"] = report_w
-        stdout_path, stderr_path = base / "stdout", base / "stderr"
-        with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
+        with open(base / "launcher.log", "wb") as log_file:
             start = time.monotonic()
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", str(LAUNCHER)],
                 stdin=subprocess.PIPE,  # the config, tests included: on a pipe, never in a file or argv
-                stdout=out,
-                stderr=err,
+                stdout=log_file,
+                stderr=log_file,
                 pass_fds=(report_w,),
                 start_new_session=True,
                 env={"PATH": SAFE_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"},
@@ -338,7 +350,10 @@ def _execute(
             with contextlib.suppress(BrokenPipeError):  # a launcher that died early is reported below
                 proc.stdin.write(json.dumps(config).encode())
             proc.stdin.close()
-            timed_out = not _wait(proc, timeout_s)
+            # Runs are judged one after the other, each within timeout_s; a little more for the start.
+            timed_out = not _wait(
+                proc, timeout_s * len(codes) + (5 if job is not None and len(codes) > 1 else 0)
+            )
             if timed_out:
                 _kill_group(proc.pid)
                 proc.wait()
@@ -349,9 +364,24 @@ def _execute(
             log.warning("sandbox: %d process(es) of a run could not be killed: %s", len(survivors), survivors)
         if report.get("refused"):
             raise SandboxError(report["refused"])
-        stdout = _tail(stdout_path, max_output_bytes)
-        stderr = _tail(stderr_path, max_output_bytes)
-        return _result(report, job is not None, timed_out, duration, stdout, stderr, str(base / "work"))
+        launcher_log = _tail(base / "launcher.log", max_output_bytes)
+        results = []
+        for run in range(len(codes)):
+            stdout = _tail(base / f"out-{run}", max_output_bytes)
+            stderr = _tail(base / f"err-{run}", max_output_bytes)
+            setup_error = report.get("setup_error")
+            if not setup_error and not report.get("done") and not timed_out:
+                setup_error = f"the launcher ended without a report\n{launcher_log}"
+            outcome = {
+                "isolation": report.get("isolation"),
+                "setup_error": setup_error,
+                "verdict": report["verdicts"].get(run),
+                "status": report["statuses"].get(run),
+            }
+            results.append(
+                _result(outcome, job is not None, timed_out, duration, stdout, stderr, base, run, len(codes))
+            )
+        return results
     finally:
         if proc is not None and proc.poll() is None:  # interrupted (e.g. KeyboardInterrupt) mid-run
             _kill_group(proc.pid)
@@ -384,31 +414,42 @@ def _wait(proc: subprocess.Popen, timeout_s: float) -> bool:
 
 
 def _result(
-    report: dict, judged: bool, timed_out: bool, duration: float, stdout: str, stderr: str, workdir: str
+    outcome: dict,
+    judged: bool,
+    timed_out: bool,
+    duration: float,
+    stdout: str,
+    stderr: str,
+    base: Path,
+    run: int,
+    run_count: int,
 ) -> SandboxResult:
-    isolation = _describe(report["isolation"]) if "isolation" in report else "unknown"
-    if "isolation" in report:
-        _warn_weak_isolation(report["isolation"])
+    isolation = _describe(outcome["isolation"]) if outcome["isolation"] else "unknown"
+    if outcome["isolation"]:
+        _warn_weak_isolation(outcome["isolation"])
+    verdict, status = outcome["verdict"], outcome["status"]
+    if judged and verdict and run_count > 1:  # the judge's time for this run, not the batch's
+        duration = verdict.get("duration_s", duration)
 
-    def make(status: Status, returncode: int | None, err: str = stderr) -> SandboxResult:
-        return SandboxResult(status == "ok", status, stdout, err, returncode, duration, isolation, workdir)
+    def make(state: Status, returncode: int | None, err: str = stderr) -> SandboxResult:
+        workdir = str(base / f"work-{run}")
+        return SandboxResult(state == "ok", state, stdout, err, returncode, duration, isolation, workdir)
 
-    if timed_out:
-        return make("timeout", None)
-    if "setup_error" not in report:
-        return make("error", None, f"sandbox launcher ended without a report\n{stderr}")
-    if report["setup_error"]:
-        return make("error", None, f"sandbox setup failed: {report['setup_error']}\n{stderr}")
+    if outcome["setup_error"]:
+        return make("error", None, f"sandbox setup failed: {outcome['setup_error']}\n{stderr}")
     if judged:
-        verdict = report.get("verdict") or {}
+        if verdict is None and not timed_out:
+            return make("error", None, f"the judge gave no verdict\n{stderr}")
+        if verdict is None or verdict.get("timed_out"):
+            return make("timeout", None)
         if verdict.get("passed") is True:
             return make("ok", 0)
-        reason = verdict.get("error") or "the judge gave no verdict"
-        return make("failed", 1, f"{stderr}\n[sandbox judge] {reason}")
-    if report["signal"] is not None:
-        return make("killed", -report["signal"])
-    code = report["exit_code"]
-    return make("ok" if code == 0 else "failed", code)
+        return make("failed", 1, f"{stderr}\n[sandbox judge] {verdict.get('error')}")
+    if status is None:
+        return make("timeout", None) if timed_out else make("error", None, f"no exit status\n{stderr}")
+    if status["signal"] is not None:
+        return make("killed", -status["signal"])
+    return make("ok" if status["exit_code"] == 0 else "failed", status["exit_code"])
 
 
 def _describe(isolation: dict) -> str:
@@ -428,10 +469,9 @@ def _warn_weak_isolation(isolation: dict) -> None:
 
 
 def _read_report(fd: int) -> dict:
-    """The launcher's report: a line with the isolation in force, then one with the outcome.
-
-    Either may be missing when the launcher was killed (timeout) or failed before writing it.
-    """
+    """The launcher's report, one JSON object a line: the isolation in force, a refusal or setup error,
+    each run's verdict (a check) or exit status, and `done` at the end. Lines are missing when the
+    launcher was killed (timeout) before writing them."""
     os.set_blocking(fd, False)
     chunks = []
     while True:
@@ -442,10 +482,18 @@ def _read_report(fd: int) -> dict:
         if not chunk:
             break
         chunks.append(chunk)
-    report: dict = {}
+    report: dict = {"verdicts": {}, "statuses": {}}
     for line in b"".join(chunks).splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            report.update(json.loads(line))
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "verdict" in item:
+            report["verdicts"][item["verdict"]["run"]] = item["verdict"]
+        elif "status" in item:
+            report["statuses"][item["status"]["run"]] = item["status"]
+        else:
+            report.update(item)
     return report
 
 
