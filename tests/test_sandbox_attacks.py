@@ -16,7 +16,7 @@ import pytest
 
 from dynamicrubric import tasks
 from dynamicrubric._sandbox_child import NotPlainError, from_plain, to_plain
-from dynamicrubric.sandbox import check_humaneval
+from dynamicrubric.sandbox import check_humaneval, check_humaneval_many
 
 PROBLEM = "HumanEval/0"
 # The honest body of has_close_elements, reused by attacks that return a right answer in a wrong type.
@@ -308,3 +308,84 @@ def test_values_that_are_not_plain_are_refused(value):
 def test_malformed_messages_are_refused(tree):
     with pytest.raises((ValueError, TypeError)):
         from_plain(tree)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A policy's K samples judged together: same verdicts, and no sample can touch another
+
+
+def test_a_batch_gives_the_verdicts_of_single_checks(problems):
+    problem = problems[PROBLEM]
+    responses = {
+        "honest": as_response(tasks.humaneval_prompt_row(problem)["reference"]),
+        "wrong": as_response(fn("return not _honest(numbers, threshold)")),
+        **{
+            name: as_response(ATTACKS[name])
+            for name in ("os_exit", "always_equal_object", "thread_exits_process")
+        },
+        "honest_body": problem["canonical_solution"],
+    }
+    completions = [tasks.humaneval_completion(problem, r) for r in responses.values()]
+    batch = check_humaneval_many(problem, completions, timeout_s=5)
+    singles = [check_humaneval(problem, c, timeout_s=5) for c in completions]
+    assert [(r.passed, r.status) for r in batch] == [(r.passed, r.status) for r in singles]
+    assert [r.passed for r in batch] == [name.startswith("honest") for name in responses]
+
+
+def test_samples_in_a_batch_cannot_touch_each_other(problems):
+    problem = problems[PROBLEM]
+    saboteur = fn(
+        "return False",
+        prelude="""
+        import os, signal, threading, time
+        for folder in ("/tmp", "/var/tmp", "/dev/shm", "."):
+            with open(os.path.join(folder, "planted"), "w") as f:
+                f.write("x")
+        def _sabotage():
+            end = time.time() + 1.5
+            while time.time() < end:
+                for pid in [int(p) for p in os.listdir("/proc") if p.isdigit()]:
+                    if pid != os.getpid():
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except OSError:
+                            pass
+                try:
+                    os.kill(-1, signal.SIGKILL)
+                except OSError:
+                    pass
+        threading.Thread(target=_sabotage).start()
+        print("pids", sorted(int(p) for p in os.listdir("/proc") if p.isdigit()), flush=True)
+        """,
+    )
+    # Honest, unless it finds what the saboteur planted.
+    looker = fn(
+        "return _honest(numbers, threshold) if not PLANTED else not _honest(numbers, threshold)",
+        prelude="""
+        import os, time
+        time.sleep(0.3)
+        PLANTED = [f for f in ("/tmp", "/var/tmp", "/dev/shm", ".") if os.path.exists(os.path.join(f, "planted"))]
+        print("planted seen", PLANTED, flush=True)
+        """,
+    )
+    honest = tasks.humaneval_prompt_row(problem)["reference"]
+    completions = [
+        tasks.humaneval_completion(problem, as_response(c)) for c in (saboteur, looker, honest, looker)
+    ]
+    results = check_humaneval_many(problem, completions, timeout_s=5)
+    assert [r.passed for r in results] == [False, True, True, True], [r.stderr[-300:] for r in results]
+    assert "pids [1, 2]" in results[0].stdout  # its own init and itself: no sibling in sight
+    assert "planted seen []" in results[1].stdout and "planted seen []" in results[3].stdout
+
+
+def test_a_hanging_sample_times_out_alone(problems):
+    problem = problems[PROBLEM]
+    hang = tasks.humaneval_completion(problem, as_response(fn("while True:\n    pass")))
+    honest = problem["canonical_solution"]
+    results = check_humaneval_many(problem, [honest, hang, honest], timeout_s=1.5)
+    assert [r.status for r in results] == ["ok", "timeout", "ok"]
+    assert 1.4 < results[1].duration_s < 4
+
+
+def test_an_empty_batch_is_empty(problems):
+    assert check_humaneval_many(problems[PROBLEM], [], timeout_s=1) == []
