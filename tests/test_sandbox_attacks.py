@@ -389,3 +389,20 @@ def test_a_hanging_sample_times_out_alone(problems):
 
 def test_an_empty_batch_is_empty(problems):
     assert check_humaneval_many(problems[PROBLEM], [], timeout_s=1) == []
+
+
+def test_score_group_scores_a_policys_samples_together(problems, row):
+    responses = [
+        as_response(row["reference"]),
+        as_response(ATTACKS["os_exit"]),
+        as_response(ATTACKS["always_equal_object"]),
+        problems[PROBLEM]["canonical_solution"],
+    ]
+    assert tasks.score_group(row, responses, timeout_s=5) == [1.0, 0.0, 0.0, 1.0]
+    assert tasks.score_group(row, responses, timeout_s=5) == [tasks.score_response(row, r) for r in responses]
+
+
+def test_score_group_leaves_reasoning_gym_answers_alone():
+    row = tasks.load_prompts(["reasoning_gym:chain_sum"], 1, "train", seed=0).iloc[0].to_dict()
+    ref = int(row["reference"])
+    assert tasks.score_group(row, [f"= {ref}", f"{ref + 10}", "os._exit(0)"]) == [1.0, 0.0, 0.0]

@@ -39,7 +39,7 @@ from urllib.parse import parse_qsl
 import pandas as pd
 
 from dynamicrubric import store
-from dynamicrubric.sandbox import check_humaneval
+from dynamicrubric.sandbox import check_humaneval, check_humaneval_many
 
 if TYPE_CHECKING:
     from dynamicrubric.config import DataConfig
@@ -413,6 +413,17 @@ def score_response(prompt_row: dict, response: str, *, timeout_s: float = 10) ->
     return 0.0
 
 
+def score_group(prompt_row: dict, responses: list[str], *, timeout_s: float = 10) -> list[float]:
+    """`score_response` for several responses to one prompt (a policy's K samples). HumanEval
+    responses are judged in one sandbox batch (one launcher and judge, each response still isolated
+    from the others), which costs a fraction of K separate runs."""
+    if _meta(prompt_row).get("source") != "humaneval":
+        return [score_response(prompt_row, r, timeout_s=timeout_s) for r in responses]
+    meta = _meta(prompt_row)
+    completions = [humaneval_completion(meta, r) for r in responses]
+    return [1.0 if r.passed else 0.0 for r in check_humaneval_many(meta, completions, timeout_s=timeout_s)]
+
+
 def _meta(prompt_row: dict) -> dict:
     meta = prompt_row.get("meta")
     if not _present(meta):
@@ -585,7 +596,8 @@ def anchors_from_outcomes(
 
     list_id is the prompt_id and sample_idx the rollout's. Prompts that cannot be verified (no task
     scorer, no reference) are skipped, and so are prompts whose rollouts all score the same, since a
-    list of equal ranks carries no order. HumanEval tests run in the sandbox on `workers` threads.
+    list of equal ranks carries no order. HumanEval tests run in the sandbox, one batch per prompt, on
+    `workers` threads.
     """
     for name, df, cols in (
         ("rollouts", rollouts_df, ["prompt_id", "sample_idx", "response"]),
@@ -603,9 +615,14 @@ def anchors_from_outcomes(
     if skipped:
         log.info("anchors from outcomes: %d prompt(s) without a verifiable outcome skipped", len(skipped))
     todo = rollouts_df[rollouts_df["prompt_id"].isin(verifiable)]
-    pairs = list(zip(todo["prompt_id"], todo["response"], strict=True))
+    groups = [(pid, group.index, group["response"].tolist()) for pid, group in todo.groupby("prompt_id")]
     with ThreadPoolExecutor(max_workers=workers or min(4, os.cpu_count() or 1)) as pool:
-        scores = list(pool.map(lambda p: score_response(prompts[p[0]], p[1], timeout_s=timeout_s), pairs))
+        scored = list(pool.map(lambda g: score_group(prompts[g[0]], g[2], timeout_s=timeout_s), groups))
+    scores = pd.Series(
+        [s for group_scores in scored for s in group_scores],
+        index=[i for _, index, _ in groups for i in index],
+        dtype=float,
+    )
     todo = todo.assign(score=scores)
     rows: list[dict] = []
     uniform = 0
