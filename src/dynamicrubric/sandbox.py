@@ -50,8 +50,8 @@ Where namespaces are refused (a non-root pod on a cluster with a seccomp profile
 unshare, or user namespaces disabled), the run is refused with SandboxError by default. On a cluster
 the isolation then comes from the pod: the pipeline labels the pods that run code (candidates,
 aggregate, evaluate, train-policy) and manifests/cluster/gvisor runs them under gVisor (a user-space
-kernel: the code sees only the pod's own filesystem and processes; gVisor also implements the
-namespaces this module makes, so the sandbox keeps working inside such a pod when it runs as root). To run there anyway, allow the weaker fallback explicitly
+kernel: the code sees only the pod's own filesystem and processes). gVisor implements mount, PID and
+network namespaces too, so a root pod keeps the full sandbox inside it; this was not tried here. To run there anyway, allow the weaker fallback explicitly
 with `allow_weak=True` or DYNRUBRIC_SANDBOX_ALLOW_WEAK=1: it logs a warning, keeps the judge/worker
 split (the verdict stays trustworthy), blocks sockets, subprocesses and ctypes with a Python audit
 hook, and sweeps the run's processes afterwards; files and processes of the same user stay visible.
