@@ -369,13 +369,14 @@ def test_samples_in_a_batch_cannot_touch_each_other(problems):
         """,
     )
     honest = tasks.humaneval_prompt_row(problem)["reference"]
+    # The saboteur last, so it lives while the others are judged (a decided run is ended at once).
     completions = [
-        tasks.humaneval_completion(problem, as_response(c)) for c in (saboteur, looker, honest, looker)
+        tasks.humaneval_completion(problem, as_response(c)) for c in (looker, honest, looker, saboteur)
     ]
     results = check_humaneval_many(problem, completions, timeout_s=5)
-    assert [r.passed for r in results] == [False, True, True, True], [r.stderr[-300:] for r in results]
-    assert "pids [1, 2]" in results[0].stdout  # its own init and itself: no sibling in sight
-    assert "planted seen []" in results[1].stdout and "planted seen []" in results[3].stdout
+    assert [r.passed for r in results] == [True, True, True, False], [r.stderr[-300:] for r in results]
+    assert "pids [1, 2]" in results[3].stdout  # its own init and itself: no sibling in sight
+    assert "planted seen []" in results[0].stdout and "planted seen []" in results[2].stdout
 
 
 def test_a_hanging_sample_times_out_alone(problems):
@@ -406,3 +407,40 @@ def test_score_group_leaves_reasoning_gym_answers_alone():
     row = tasks.load_prompts(["reasoning_gym:chain_sum"], 1, "train", seed=0).iloc[0].to_dict()
     ref = int(row["reference"])
     assert tasks.score_group(row, [f"= {ref}", f"{ref + 10}", "os._exit(0)"]) == [1.0, 0.0, 0.0]
+
+
+def test_samples_in_a_batch_cannot_talk_to_each_other(problems):
+    """No channel between samples: an abstract Unix socket one serves is not reachable from another."""
+    problem = problems[PROBLEM]
+    server = fn(
+        "return False",
+        prelude="""
+        import socket, threading
+        s = socket.socket(socket.AF_UNIX)
+        s.bind("\\0dynrubric-batch-channel")
+        s.listen(8)
+        print("serving", flush=True)
+        threading.Thread(target=lambda: [s.accept() for _ in range(8)], daemon=True).start()
+        """,
+    )
+    client = fn(
+        "return _honest(numbers, threshold) if not REACHED else not _honest(numbers, threshold)",
+        prelude="""
+        import socket, time
+        REACHED = False
+        for _ in range(20):  # for a second: the server may start later
+            try:
+                socket.socket(socket.AF_UNIX).connect("\\0dynrubric-batch-channel")
+                REACHED = True
+                break
+            except OSError:
+                time.sleep(0.05)
+        print("reached", REACHED, flush=True)
+        """,
+    )
+    # The server last: the judge decides runs in order and ends each decided run at once.
+    completions = [tasks.humaneval_completion(problem, as_response(c)) for c in (client, client, server)]
+    results = check_humaneval_many(problem, completions, timeout_s=5)
+    assert "serving" in results[2].stdout
+    assert [r.passed for r in results] == [True, True, False], [r.stderr[-300:] for r in results]
+    assert "reached False" in results[0].stdout and "reached False" in results[1].stdout

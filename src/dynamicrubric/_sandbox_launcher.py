@@ -305,6 +305,11 @@ def _supervise(config: dict, run: int, error_w: int, status_w: int, fds: dict[in
     run: init dies with it (PDEATHSIG), and the kernel then kills everything in the namespace."""
     try:
         _check(_libc_call("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))
+        # A network and IPC namespace per run too: runs of one batch must not reach each other through
+        # abstract Unix sockets or SysV IPC.
+        for name, flag in (("netns", CLONE_NEWNET), ("ipcns", CLONE_NEWIPC)):
+            if config["isolation"][name]:
+                _check(_libc_call("unshare", flag))
         if config["isolation"]["view"]:
             _mount_scratch(config, run)
         if config["isolation"]["pidns"]:
