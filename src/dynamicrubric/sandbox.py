@@ -56,10 +56,10 @@ with `allow_weak=True` or DYNRUBRIC_SANDBOX_ALLOW_WEAK=1: it logs a warning, kee
 split (the verdict stays trustworthy), blocks sockets, subprocesses and ctypes with a Python audit
 hook, and sweeps the run's processes afterwards; files and processes of the same user stay visible.
 
-Costs (measured on the 2-core dev machine under load, median wall time of a HumanEval/0 check): a
-single check starts three interpreters (launcher, judge, worker) and mounts about fifteen filesystems,
-about 190 ms, the same as the old exit-code sandbox; `check_humaneval_many` shares the launcher, the
-view and the judge among a policy's K samples, about 80 ms per sample for K=8.
+Costs (`python -m bench.bench_sandbox`; 2-core dev VM under load): a single check starts three
+interpreters (launcher, judge, worker) and mounts about fifteen filesystems, and takes about as long
+as the old exit-code sandbox did; `check_humaneval_many` shares the launcher, the view and the judge
+among a policy's K samples and costs about a third per sample at K=8.
 """
 
 from __future__ import annotations
