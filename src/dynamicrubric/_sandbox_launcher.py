@@ -155,6 +155,8 @@ def _build_view(config: dict) -> None:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             os.symlink(os.readlink(path), target)  # e.g. /bin -> usr/bin, resolved inside the view
         elif os.path.isdir(path):
+            if os.path.realpath(path) == "/":
+                raise OSError("refusing to show the host's whole filesystem in the view")
             os.makedirs(target, exist_ok=True)
             _bind_read_only(path, target)
             done.append(path)

@@ -259,7 +259,9 @@ def _base_python() -> str:
 def _exposed(python: str) -> list[str]:
     """Host paths the view shows: the system's and the interpreter's installation (its prefix)."""
     prefixes = {sys.base_prefix, sys.base_exec_prefix, os.path.dirname(os.path.dirname(python))}
-    return list(EXPOSED) + sorted(os.path.realpath(p) for p in prefixes)
+    # Never the host's root: an interpreter at /bin/python3 has "/" as its prefix, and binding that
+    # would show the whole host (read-only, but with every user's files).
+    return list(EXPOSED) + sorted({os.path.realpath(p) for p in prefixes} - {"/"})
 
 
 def _hidden(exposed: list[str]) -> list[str]:

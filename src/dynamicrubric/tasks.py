@@ -39,7 +39,7 @@ from urllib.parse import parse_qsl
 import pandas as pd
 
 from dynamicrubric import store
-from dynamicrubric.sandbox import check_humaneval, check_humaneval_many
+from dynamicrubric.sandbox import SandboxResult, check_humaneval, check_humaneval_many
 
 if TYPE_CHECKING:
     from dynamicrubric.config import DataConfig
@@ -397,7 +397,7 @@ def score_response(prompt_row: dict, response: str, *, timeout_s: float = 10) ->
         return min(1.0, max(0.0, float(score)))
     if source == "humaneval":
         completion = humaneval_completion(meta, response)
-        return 1.0 if check_humaneval(meta, completion, timeout_s=timeout_s).passed else 0.0
+        return _code_score(check_humaneval(meta, completion, timeout_s=timeout_s), prompt_row)
     reference = prompt_row.get("reference")
     if not _present(reference):
         raise TaskError(
@@ -421,7 +421,15 @@ def score_group(prompt_row: dict, responses: list[str], *, timeout_s: float = 10
         return [score_response(prompt_row, r, timeout_s=timeout_s) for r in responses]
     meta = _meta(prompt_row)
     completions = [humaneval_completion(meta, r) for r in responses]
-    return [1.0 if r.passed else 0.0 for r in check_humaneval_many(meta, completions, timeout_s=timeout_s)]
+    return [_code_score(r, prompt_row) for r in check_humaneval_many(meta, completions, timeout_s=timeout_s)]
+
+
+def _code_score(result: SandboxResult, prompt_row: dict) -> float:
+    """1.0 for a pass. A sandbox that failed to set up (not the code's doing) also scores 0, logged, so
+    a broken machine shows in the logs instead of only as rewards that never rise."""
+    if result.status == "error":
+        log.warning("sandbox error scoring %s: %s", prompt_row.get("prompt_id"), result.stderr.strip()[-500:])
+    return 1.0 if result.passed else 0.0
 
 
 def _meta(prompt_row: dict) -> dict:
