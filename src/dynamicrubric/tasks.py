@@ -39,7 +39,7 @@ from urllib.parse import parse_qsl
 import pandas as pd
 
 from dynamicrubric import store
-from dynamicrubric.sandbox import check_humaneval
+from dynamicrubric.sandbox import SandboxResult, check_humaneval, check_humaneval_many
 
 if TYPE_CHECKING:
     from dynamicrubric.config import DataConfig
@@ -218,25 +218,25 @@ def _humaneval_prompts(num_prompts: int, split: str, seed: int) -> list[dict]:
     random.Random(seed).shuffle(problems)
     if len(problems) < num_prompts:
         log.warning("humaneval has %d %s problems; %d were asked for", len(problems), split, num_prompts)
-    rows = []
-    for p in problems[:num_prompts]:
-        meta = {
-            "source": "humaneval",
-            "task_id": p["task_id"],
-            "prompt": p["prompt"],
-            "test": p["test"],
-            "entry_point": p["entry_point"],
-        }
-        rows.append(
-            {
-                "prompt_id": p["task_id"],
-                "task": "humaneval",
-                "prompt": f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{p['prompt']}```",
-                "reference": p["prompt"] + p["canonical_solution"],
-                "meta": json.dumps(meta),
-            }
-        )
-    return rows
+    return [humaneval_prompt_row(p) for p in problems[:num_prompts]]
+
+
+def humaneval_prompt_row(problem: dict) -> dict:
+    """The prompt row of one HumanEval problem; its meta carries what `score_response` runs."""
+    meta = {
+        "source": "humaneval",
+        "task_id": problem["task_id"],
+        "prompt": problem["prompt"],
+        "test": problem["test"],
+        "entry_point": problem["entry_point"],
+    }
+    return {
+        "prompt_id": problem["task_id"],
+        "task": "humaneval",
+        "prompt": f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{problem['prompt']}```",
+        "reference": problem["prompt"] + problem["canonical_solution"],
+        "meta": json.dumps(meta),
+    }
 
 
 def _looks_like_file(source: str) -> bool:
@@ -397,7 +397,7 @@ def score_response(prompt_row: dict, response: str, *, timeout_s: float = 10) ->
         return min(1.0, max(0.0, float(score)))
     if source == "humaneval":
         completion = humaneval_completion(meta, response)
-        return 1.0 if check_humaneval(meta, completion, timeout_s=timeout_s).passed else 0.0
+        return _code_score(check_humaneval(meta, completion, timeout_s=timeout_s), prompt_row)
     reference = prompt_row.get("reference")
     if not _present(reference):
         raise TaskError(
@@ -411,6 +411,25 @@ def score_response(prompt_row: dict, response: str, *, timeout_s: float = 10) ->
     if not numeric and re.search(rf"(?<!\w){re.escape(ref)}(?!\w)", _normalise(response)):
         return 1.0
     return 0.0
+
+
+def score_group(prompt_row: dict, responses: list[str], *, timeout_s: float = 10) -> list[float]:
+    """`score_response` for several responses to one prompt (a policy's K samples). HumanEval
+    responses are judged in one sandbox batch (one launcher and judge, each response still isolated
+    from the others), which costs a fraction of K separate runs."""
+    if _meta(prompt_row).get("source") != "humaneval":
+        return [score_response(prompt_row, r, timeout_s=timeout_s) for r in responses]
+    meta = _meta(prompt_row)
+    completions = [humaneval_completion(meta, r) for r in responses]
+    return [_code_score(r, prompt_row) for r in check_humaneval_many(meta, completions, timeout_s=timeout_s)]
+
+
+def _code_score(result: SandboxResult, prompt_row: dict) -> float:
+    """1.0 for a pass. A sandbox that failed to set up (not the code's doing) also scores 0, logged, so
+    a broken machine shows in the logs instead of only as rewards that never rise."""
+    if result.status == "error":
+        log.warning("sandbox error scoring %s: %s", prompt_row.get("prompt_id"), result.stderr.strip()[-500:])
+    return 1.0 if result.passed else 0.0
 
 
 def _meta(prompt_row: dict) -> dict:
@@ -585,7 +604,8 @@ def anchors_from_outcomes(
 
     list_id is the prompt_id and sample_idx the rollout's. Prompts that cannot be verified (no task
     scorer, no reference) are skipped, and so are prompts whose rollouts all score the same, since a
-    list of equal ranks carries no order. HumanEval tests run in the sandbox on `workers` threads.
+    list of equal ranks carries no order. HumanEval tests run in the sandbox, one batch per prompt, on
+    `workers` threads.
     """
     for name, df, cols in (
         ("rollouts", rollouts_df, ["prompt_id", "sample_idx", "response"]),
@@ -603,9 +623,14 @@ def anchors_from_outcomes(
     if skipped:
         log.info("anchors from outcomes: %d prompt(s) without a verifiable outcome skipped", len(skipped))
     todo = rollouts_df[rollouts_df["prompt_id"].isin(verifiable)]
-    pairs = list(zip(todo["prompt_id"], todo["response"], strict=True))
+    groups = [(pid, group.index, group["response"].tolist()) for pid, group in todo.groupby("prompt_id")]
     with ThreadPoolExecutor(max_workers=workers or min(4, os.cpu_count() or 1)) as pool:
-        scores = list(pool.map(lambda p: score_response(prompts[p[0]], p[1], timeout_s=timeout_s), pairs))
+        scored = list(pool.map(lambda g: score_group(prompts[g[0]], g[2], timeout_s=timeout_s), groups))
+    scores = pd.Series(
+        [s for group_scores in scored for s in group_scores],
+        index=[i for _, index, _ in groups for i in index],
+        dtype=float,
+    )
     todo = todo.assign(score=scores)
     rows: list[dict] = []
     uniform = 0

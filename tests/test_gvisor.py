@@ -1,0 +1,78 @@
+"""The cluster-side isolation for pods that run policy-generated code (manifests/cluster/gvisor).
+
+The objects render with kustomize and validate strictly against the Kubernetes 1.32 schemas; the
+policies select exactly the pods the pipeline labels; the pipeline labels exactly the stages that run
+code in the sandbox; and the mutation and the validation agree on the RuntimeClass's name.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from test_manifests import MANIFESTS, kustomize, schema_errors
+
+from dynamicrubric.config import load_config
+from dynamicrubric.pipelines.co_evolution import CODE_STAGES, RUNS_CODE_LABEL, compile_pipeline
+
+GVISOR = MANIFESTS / "cluster" / "gvisor"
+
+
+@pytest.fixture(scope="module")
+def objects() -> dict[str, dict]:
+    return {obj["kind"]: obj for obj in kustomize(GVISOR)}
+
+
+def test_the_gvisor_objects_are_valid(objects):
+    assert set(objects) == {
+        "RuntimeClass",
+        "MutatingAdmissionPolicy",
+        "MutatingAdmissionPolicyBinding",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    }
+    assert schema_errors(list(objects.values())) == []
+
+
+def test_a_typo_in_a_policy_is_caught(objects):
+    broken = yaml.safe_load(yaml.safe_dump(objects["ValidatingAdmissionPolicy"]))
+    broken["spec"]["validation"] = broken["spec"].pop("validations")  # unknown field
+    assert schema_errors([broken])
+
+
+def test_the_policies_select_the_pods_the_pipeline_labels(objects):
+    key, value = RUNS_CODE_LABEL
+    for kind in ("MutatingAdmissionPolicy", "ValidatingAdmissionPolicy"):
+        constraints = objects[kind]["spec"]["matchConstraints"]
+        assert constraints["objectSelector"] == {"matchLabels": {key: value}}, kind
+        assert constraints["resourceRules"][0]["resources"] == ["pods"]
+    for kind in ("MutatingAdmissionPolicyBinding", "ValidatingAdmissionPolicyBinding"):
+        binding = objects[kind]["spec"]
+        assert binding["policyName"] == objects[kind.removesuffix("Binding")]["metadata"]["name"]
+    assert objects["ValidatingAdmissionPolicyBinding"]["spec"]["validationActions"] == ["Deny"]
+
+
+def test_mutation_and_validation_name_the_runtime_class(objects):
+    name = objects["RuntimeClass"]["metadata"]["name"]
+    assert objects["RuntimeClass"]["handler"] == "runsc"
+    mutation = objects["MutatingAdmissionPolicy"]["spec"]["mutations"][0]["applyConfiguration"]["expression"]
+    assert re.search(rf'runtimeClassName:\s*"{name}"', mutation)
+    validation = objects["ValidatingAdmissionPolicy"]["spec"]["validations"][0]["expression"]
+    assert f'object.spec.runtimeClassName == "{name}"' in validation
+
+
+def test_the_pipeline_labels_exactly_the_stages_that_run_code(tmp_path: Path):
+    out = compile_pipeline(load_config(overrides={"pipeline": {"rounds": 1}}), str(tmp_path / "p.yaml"))
+    _spec, platform = yaml.safe_load_all(Path(out).read_text())
+    executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    key, value = RUNS_CODE_LABEL
+    labelled = set()
+    for name, config in executors.items():
+        stage = re.sub(r"-\d+$", "", name.removeprefix("exec-")).replace("-", "_")
+        if config.get("podMetadata", {}).get("labels", {}).get(key) == value:
+            labelled.add(stage)
+        else:
+            assert stage not in CODE_STAGES, name
+    assert labelled == set(CODE_STAGES)
