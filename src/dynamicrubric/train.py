@@ -227,8 +227,9 @@ def train_evaluator(
 
 def _already_done(out_uri: str, metrics_uri: str | None) -> dict:
     log.info("%s: checkpoint already complete; nothing to do", out_uri)
-    summary_uri = store.join(out_uri, SUMMARY_FILE)
-    if not store.exists(summary_uri):  # a checkpoint written by something else: nothing recorded
+    try:  # through the folder's manifest: on S3 its files live under the writer's version
+        summary_uri = store.folder_file(out_uri, SUMMARY_FILE)
+    except store.StoreError:  # a checkpoint written by something else: nothing recorded
         return {}
     summary = json.loads(store.read_bytes(summary_uri))
     if metrics_uri and not store.exists(metrics_uri):
