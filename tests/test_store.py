@@ -416,8 +416,12 @@ def test_two_file_writers_never_mix(where, tmp_path, request, monkeypatch):
 
 
 def test_local_outputs_are_group_readable(tmp_path):
-    store.write_bytes(str(tmp_path / "a.bin"), b"x")
-    store.upload_dir(_folder(tmp_path / "src", "A", ["f.bin"]), str(tmp_path / "ckpt"))
+    old = os.umask(0o022)
+    try:
+        store.write_bytes(str(tmp_path / "a.bin"), b"x")
+        store.upload_dir(_folder(tmp_path / "src", "A", ["f.bin"]), str(tmp_path / "ckpt"))
+    finally:
+        os.umask(old)
     assert (tmp_path / "a.bin").stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "ckpt").stat().st_mode & 0o777 == 0o755
     assert (tmp_path / "ckpt" / "f.bin").stat().st_mode & 0o777 == 0o644
