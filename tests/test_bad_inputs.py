@@ -448,3 +448,15 @@ def test_artifacts_are_group_readable(tmp_path):
         finally:
             os.umask(old)
         assert Path(path).stat().st_mode & 0o777 == mode
+
+
+def test_evaluate_leaves_no_metrics_when_its_plots_cannot_be_published(good, tmp_path, capsys):
+    """The whole evaluation runs, then the plots folder cannot be written (a file is in its place): the
+    metrics written before are removed again, and no plots folder is left."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "plots").write_text("not a folder")
+    code, output = run_cli(stage_argv("evaluate", good, out), capsys)
+    line = assert_clean_failure(code, output, None)
+    assert line == f"error: {out / 'plots'}: exists and is not a folder"
+    assert sorted(p.name for p in out.iterdir()) == ["plots"] and (out / "plots").is_file()
