@@ -372,7 +372,7 @@ def exists(uri: str) -> bool:
 
         bucket, key = split_s3(uri)
         try:
-            _s3_call(uri, lambda: _head(bucket, key))
+            _s3_call(uri, _client().head_object, Bucket=bucket, Key=key)
             return True
         except StoreError as e:
             if isinstance(e.__cause__, ClientError) and _error_code(e.__cause__) in (
@@ -383,10 +383,6 @@ def exists(uri: str) -> bool:
                 return False
             raise
     return local_path(uri).exists()
-
-
-def _head(bucket: str, key: str) -> Any:
-    return _client().head_object(Bucket=bucket, Key=key)
 
 
 def delete(uri: str) -> None:
