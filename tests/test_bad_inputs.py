@@ -460,3 +460,16 @@ def test_evaluate_leaves_no_metrics_when_its_plots_cannot_be_published(good, tmp
     line = assert_clean_failure(code, output, None)
     assert line == f"error: {out / 'plots'}: exists and is not a folder"
     assert sorted(p.name for p in out.iterdir()) == ["plots"] and (out / "plots").is_file()
+
+
+def test_four_megabyte_prompt_is_rejected_by_the_judge(good, tmp_path, capsys):
+    """The verifier's prompt holds the task (responses are clipped to judge.max_response_chars): a 4 MB
+    task is checked against the context too, in the judge's own code path (yes_probability)."""
+    rows = [dict(r) for r in ROLLOUTS]
+    for row in rows[:2]:  # both samples of p0 share the prompt
+        row["prompt"] = "1 + " * (1 << 20)  # 4 MB
+    rollouts = _write(tmp_path / "long.parquet", "rollouts", rows)
+    out = tmp_path / "out"
+    code, output = run_cli(stage_argv("judge", good, out, rollouts=rollouts), capsys)
+    line = assert_clean_failure(code, output, out)
+    assert "judge: prompt" in line and "exceeds the context length 2048 of 'tiny-random'" in line, line
