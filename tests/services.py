@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ACCESS_KEY = "dynrubric-test-key"
@@ -37,6 +37,7 @@ class SeaweedS3:
     workdir: Path
     proc: subprocess.Popen | None = None
     port: int = 0
+    ports: dict[str, int] = field(default_factory=dict)
 
     @property
     def endpoint(self) -> str:
@@ -67,21 +68,24 @@ class SeaweedS3:
                 }
             )
         )
-        self.port = free_port()
-        ports = {
-            name: free_port()
-            for name in [
-                "s3.port.grpc",
-                "master.port",
-                "master.port.grpc",
-                "volume.port",
-                "volume.port.grpc",
-                "filer.port",
-                "filer.port.grpc",
-                "admin.port",
-                "admin.port.grpc",
-            ]
-        }
+        # A restart (start after stop or kill) keeps every port, as a restarted real server would, so
+        # clients configured with the endpoint reconnect to it.
+        if not self.port:
+            self.port = free_port()
+            self.ports = {
+                name: free_port()
+                for name in [
+                    "s3.port.grpc",
+                    "master.port",
+                    "master.port.grpc",
+                    "volume.port",
+                    "volume.port.grpc",
+                    "filer.port",
+                    "filer.port.grpc",
+                    "admin.port",
+                    "admin.port.grpc",
+                ]
+            }
         args = [
             weed_binary(),
             "mini",
@@ -89,7 +93,7 @@ class SeaweedS3:
             "-ip=127.0.0.1",
             "-ip.bind=127.0.0.1",
             f"-s3.port={self.port}",
-            *[f"-{k}={v}" for k, v in ports.items()],
+            *[f"-{k}={v}" for k, v in self.ports.items()],
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
             "-webdav=false",
@@ -98,7 +102,7 @@ class SeaweedS3:
             "-s3.allowDeleteBucketNotEmpty=false",
             "-s3.autoCreateBucket=false",
         ]
-        log = open(self.workdir / "weed.log", "wb")  # noqa: SIM115 - owned by the process
+        log = open(self.workdir / "weed.log", "ab")  # noqa: SIM115 - owned by the process
         self.proc = subprocess.Popen(
             args,
             stdout=log,

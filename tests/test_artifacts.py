@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
@@ -212,7 +214,62 @@ BAD_INPUTS = {
         ),
         "column 'p_yes' has value 1.5",
     ),
+    "NaN score": (
+        lambda p: _raw_parquet(
+            p, artifacts.to_table("scores", [dict(SAMPLES["scores"][0], score=float("nan"))]), kind="scores"
+        ),
+        "column 'score' has 1 NaN or infinite value(s), the first in row 0",
+    ),
+    "infinite reward": (
+        lambda p: _raw_parquet(
+            p,
+            artifacts.to_table(
+                "rewards", [SAMPLES["rewards"][1], dict(SAMPLES["rewards"][0], r_anchor=-math.inf)]
+            ),
+            kind="rewards",
+        ),
+        "column 'r_anchor' has 1 NaN or infinite value(s), the first in row 1",
+    ),
+    "invalid UTF-8 text": (
+        lambda p: _raw_parquet(p, _rollouts(response=_not_utf8(["4", "5", "6"]))),
+        "column 'response' has text that is not valid UTF-8",
+    ),
+    "invalid UTF-8 in a rubric item": (
+        lambda p: _raw_parquet(p, _rubric_with_bad_item_text(), kind="rubrics"),
+        "column 'items' has text that is not valid UTF-8",
+    ),
 }
+
+
+def _not_utf8(strings: list[str]) -> pa.Array:
+    """`strings` with the first replaced by bytes that are not UTF-8 (pyarrow does not check on build)."""
+    values = [b"\xc3\x28", *(v.encode() for v in strings[1:])]
+    offsets = [0]
+    for v in values:
+        offsets.append(offsets[-1] + len(v))
+    buffers = [None, pa.array(offsets, pa.int32()).buffers()[1], pa.py_buffer(b"".join(values))]
+    return pa.Array.from_buffers(pa.string(), len(values), buffers)
+
+
+def _rubric_with_bad_item_text() -> pa.Table:
+    table = artifacts.to_table("rubrics", SAMPLES["rubrics"][:1])
+    items = table.column("items").combine_chunks()
+    texts = _not_utf8(pc.struct_field(items.flatten(), "text").to_pylist())
+    struct = pa.StructArray.from_arrays(
+        [texts, pc.struct_field(items.flatten(), "weight")], fields=list(artifacts.RUBRIC_ITEM)
+    )
+    rebuilt = pa.ListArray.from_arrays(items.offsets, struct, type=table.schema.field("items").type)
+    return table.set_column(table.schema.get_field_index("items"), "items", rebuilt)
+
+
+def test_nan_is_refused_on_write_too(tmp_path):
+    with pytest.raises(ArtifactError, match="column 'p_yes' has 1 NaN or infinite value"):
+        write_artifact(
+            str(tmp_path / "j.parquet"), "judgments", [dict(SAMPLES["judgments"][0], p_yes=math.nan)]
+        )
+    assert not (tmp_path / "j.parquet").exists()
+    # an undefined metric is a NaN value, and allowed
+    write_artifact(str(tmp_path / "m.parquet"), "metrics", [dict(SAMPLES["metrics"][0], value=math.nan)])
 
 
 def _write(path, data: bytes) -> str:

@@ -367,7 +367,7 @@ def test_plots_go_to_s3(s3_env):
     assert write_plots(uri, metrics, evaluated) == list(PLOT_NAMES)
     assert store.is_complete(uri)
     for name in PLOT_NAMES:
-        assert store.read_bytes(f"{uri}/{name}")[:8] == b"\x89PNG\r\n\x1a\n"
+        assert store.read_bytes(store.folder_file(uri, name))[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_run_evaluate_holds_one_engine_at_a_time(tmp_path, monkeypatch):

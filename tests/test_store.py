@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from pathlib import Path
 
 import pytest
 from services import SeaweedS3
@@ -86,6 +89,7 @@ def test_unreachable_endpoint_is_one_line(monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     monkeypatch.setenv("DYNRUBRIC_S3_MAX_ATTEMPTS", "2")
+    monkeypatch.setenv(store.RETRY_BUDGET_ENV, "0")
     store.reset_client()
     try:
         with pytest.raises(
@@ -117,13 +121,14 @@ def test_folder_upload_download_and_completion(s3_env, tmp_path):
 
 def test_multipart_upload_of_large_file(s3_env, tmp_path, monkeypatch):
     monkeypatch.setattr(store, "MULTIPART_THRESHOLD", 5 * 1024 * 1024)
+    monkeypatch.setattr(store, "PART_SIZE", 5 * 1024 * 1024)
     data = os.urandom(11 * 1024 * 1024)  # three parts at the 5 MiB minimum
     uri = f"s3://{s3_env}/big.bin"
     store.write_bytes(uri, data)
     assert store.read_bytes(uri) == data
 
 
-def test_server_killed_mid_write_leaves_no_partial_object(tmp_path):
+def test_server_killed_mid_write_leaves_no_partial_object(tmp_path, monkeypatch):
     """A multipart upload cut off by a dying server never becomes a visible object."""
     server = SeaweedS3(tmp_path / "weed").start()
     try:
@@ -134,16 +139,13 @@ def test_server_killed_mid_write_leaves_no_partial_object(tmp_path):
             """
             import os, sys
             from dynamicrubric import store
-            store.MULTIPART_THRESHOLD = 5 * 1024 * 1024
-            from boto3.s3.transfer import TransferConfig
-            store._transfer_config = lambda: TransferConfig(multipart_threshold=5 * 1024 * 1024,
-                multipart_chunksize=5 * 1024 * 1024, max_concurrency=1)
+            store.MULTIPART_THRESHOLD = store.PART_SIZE = 5 * 1024 * 1024
             print("start", flush=True)
             store.write_bytes("s3://crash/big.bin", os.urandom(60 * 1024 * 1024))
             print("finished", flush=True)
             """
         )
-        env = {**os.environ, **server.env(), "DYNRUBRIC_S3_MAX_ATTEMPTS": "1"}
+        env = {**os.environ, **server.env(), "DYNRUBRIC_S3_MAX_ATTEMPTS": "1", store.RETRY_BUDGET_ENV: "0"}
         child = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
         assert child.stdout.readline().strip() == "start"
         deadline = time.monotonic() + 30
@@ -162,5 +164,306 @@ def test_server_killed_mid_write_leaves_no_partial_object(tmp_path):
         server.start()  # same data folder: what was stored survives the restart
         objects = server.client().list_objects_v2(Bucket="crash").get("Contents", [])
         assert [o["Key"] for o in objects] == []
+        # The writer could not abort its upload (the server was dead); the next pre-flight check of
+        # that output does, once the upload is older than the stale age.
+        assert server.client().list_multipart_uploads(Bucket="crash").get("Uploads")
+        for key, value in server.env().items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setenv(store.STALE_UPLOAD_ENV, "0")
+        store.reset_client()
+        store.check_writable("s3://crash/big.bin")
+        assert not server.client().list_multipart_uploads(Bucket="crash").get("Uploads")
     finally:
+        store.reset_client()
         server.stop()
+
+
+# --------------------------------------------------------------------------------------------------
+# Retries
+
+
+def test_retry_budget_is_spent_before_giving_up(monkeypatch):
+    """Against a dead endpoint the store keeps retrying for the whole budget, then says so in one line."""
+    from services import free_port
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv(store.RETRY_BUDGET_ENV, "3")
+    store.reset_client()
+    started = time.monotonic()
+    try:
+        with pytest.raises(
+            StoreError, match=r"cannot reach the S3 endpoint .* \(gave up after \d+ attempts over 3 s\)$"
+        ):
+            store.write_bytes("s3://b/k", b"x")
+    finally:
+        store.reset_client()
+    assert 3 <= time.monotonic() - started < 15
+
+
+def test_default_retry_budget_is_at_least_a_minute(monkeypatch):
+    monkeypatch.delenv(store.RETRY_BUDGET_ENV, raising=False)
+    assert store.retry_budget_s() >= 60
+    monkeypatch.setenv(store.RETRY_BUDGET_ENV, "soon")
+    with pytest.raises(StoreError, match="DYNRUBRIC_S3_RETRY_BUDGET_S='soon': expected a number"):
+        store.retry_budget_s()
+
+
+def test_stage_survives_a_store_restart_during_its_write(tmp_path, monkeypatch):
+    """The server is killed as the stage starts writing its outputs and comes back 3 s later, on the same
+    ports and data: the write waits it out within the retry budget and the stage finishes."""
+    from dynamicrubric import steps
+    from dynamicrubric.artifacts import read_frame
+    from dynamicrubric.config import load_config
+
+    server = SeaweedS3(tmp_path / "weed").start()
+    try:
+        server.client().create_bucket(Bucket="outage")
+        for key, value in server.env().items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setenv(store.RETRY_BUDGET_ENV, "60")
+        store.reset_client()
+        real_upload, outage = store._upload, {}
+
+        def upload_during_an_outage(uri, *args, **kwargs):
+            if not outage:  # the first write of the stage's outputs: the server dies just before it
+                server.kill()
+                outage["killed"] = time.monotonic()
+                restart = threading.Timer(3.0, server.start)
+                restart.start()
+                outage["restart"] = restart
+            return real_upload(uri, *args, **kwargs)
+
+        cfg = load_config(preset="tiny")
+        outs = [f"s3://outage/run/{name}.parquet" for name in ("train", "eval", "anchors")]
+        with monkeypatch.context() as m:
+            m.setattr(store, "_upload", upload_during_an_outage)
+            counts = steps.prepare_data(cfg.to_yaml(), "", *outs)
+        outage["restart"].join()
+        assert time.monotonic() - outage["killed"] >= 3  # the write really waited for the restart
+        assert counts["train_prompts"] == len(read_frame(outs[0], "prompts")) > 0
+        assert len(read_frame(outs[1], "prompts")) > 0
+        read_frame(outs[2], "anchors")
+    finally:
+        store.reset_client()
+        server.stop()
+
+
+# --------------------------------------------------------------------------------------------------
+# Two writers at once: a reader sees one writer's whole output, never a mix
+
+
+TRIALS = 8
+
+
+def _folder(root: Path, writer: str, names: list[str]) -> Path:
+    root.mkdir(parents=True)
+    for name in names:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(f"{writer}:{name}:".encode() * 2000)
+    return root
+
+
+def _race(*writers) -> None:
+    """Run the writers in threads released together; re-raise the first failure."""
+    start = threading.Barrier(len(writers))
+    errors: list[BaseException] = []
+
+    def run(fn):
+        try:
+            start.wait()
+            fn()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(fn,)) for fn in writers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def _read_folder(uri: str, dest: Path) -> dict[str, bytes]:
+    """A folder as a reader gets it: on S3 through download_dir; locally in place, pinned by a directory
+    descriptor so that the whole read sees one folder even if a writer swaps another one in meanwhile."""
+    if store.is_s3(uri):
+        folder = store.download_dir(uri, dest)
+        files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+        files.pop(store.COMPLETE_MARKER)
+        return files
+    try:
+        fd = os.open(store.local_path(uri), os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        raise StoreError(f"{uri}: folder is absent or incomplete") from None
+    try:
+
+        def read(rel: str) -> bytes:
+            with open(rel, "rb", opener=lambda path, flags: os.open(path, flags, dir_fd=fd)) as f:
+                return f.read()
+
+        try:
+            manifest = json.loads(read(store.COMPLETE_MARKER))
+            files = {rel: read(rel) for rel in manifest["files"]}
+        except FileNotFoundError:  # a replaced folder being deleted under us
+            raise StoreError(f"{uri}: folder is absent or incomplete (replaced)") from None
+        on_disk = {
+            os.path.relpath(os.path.join(root, name), ".")
+            for root, _, names, _ in os.fwalk(".", dir_fd=fd)
+            for name in names
+        }
+        assert on_disk <= {*manifest["files"], store.COMPLETE_MARKER}, sorted(on_disk)
+        return files
+    finally:
+        os.close(fd)
+
+
+def _writer_of(files: dict[str, bytes]) -> str:
+    writers = {data.split(b":", 1)[0].decode() for data in files.values()}
+    assert len(writers) == 1, f"a mix of writers {sorted(writers)}: {sorted(files)}"
+    return writers.pop()
+
+
+FOLDERS = {
+    "A": ["config.json", "model-0.bin", "model-1.bin", "model-2.bin", "sub/x.txt"],
+    "B": ["config.json", "model.bin"],
+}
+
+
+@pytest.mark.parametrize("where", ["local", "local-without-exchange", "s3"])
+def test_two_folder_writers_never_mix(where, tmp_path, request, monkeypatch):
+    if where == "local-without-exchange":  # a filesystem without renameat2(RENAME_EXCHANGE), e.g. NFS
+        monkeypatch.setattr(store, "_exchange", lambda a, b: None)
+    base = (
+        str(tmp_path / "out")
+        if where.startswith("local")
+        else f"s3://{request.getfixturevalue('s3_env')}/out"
+    )
+    sources = {w: _folder(tmp_path / f"src-{w}", w, names) for w, names in FOLDERS.items()}
+    winners, reads = set(), 0
+    for trial in range(TRIALS):
+        uri = store.join(base, f"ckpt-{trial % 2}")  # odd trials rewrite an existing folder
+        seen: list[str] = []
+        reader_errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def reader(uri=uri, trial=trial, seen=seen, stop=stop, reader_errors=reader_errors):
+            n = 0
+            while not stop.is_set():
+                n += 1
+                try:
+                    files = _read_folder(uri, tmp_path / f"read-{trial}-{n}")
+                    seen.append(_writer_of(files))
+                except StoreError as e:
+                    if "absent or incomplete" not in str(e):
+                        reader_errors.append(e)
+                except BaseException as e:
+                    reader_errors.append(e)
+
+        watcher = threading.Thread(target=reader)
+        watcher.start()
+        try:
+            _race(
+                lambda uri=uri: store.upload_dir(sources["A"], uri),
+                lambda uri=uri: store.upload_dir(sources["B"], uri),
+            )
+        finally:
+            stop.set()
+            watcher.join()
+        assert not reader_errors, reader_errors[0]
+        reads += len(seen)
+        files = _read_folder(uri, tmp_path / f"final-{trial}")
+        winner = _writer_of(files)
+        assert sorted(files) == FOLDERS[winner]  # the whole folder of one writer, nothing of the other
+        winners.add(winner)
+    assert reads > 0  # the reader did read while the writers raced
+    if where.startswith("local"):  # no temp or set-aside folders are left behind
+        assert sorted(p.name for p in Path(base).iterdir()) == ["ckpt-0", "ckpt-1"]
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_rewrite_with_fewer_files_shows_only_the_new_ones(where, tmp_path, request):
+    base = str(tmp_path / "out") if where == "local" else f"s3://{request.getfixturevalue('s3_env')}/out"
+    uri = store.join(base, "ckpt")
+    store.upload_dir(_folder(tmp_path / "big", "A", FOLDERS["A"]), uri)
+    store.upload_dir(_folder(tmp_path / "small", "B", FOLDERS["B"]), uri)
+    files = _read_folder(uri, tmp_path / "dl")
+    assert sorted(files) == FOLDERS["B"] and _writer_of(files) == "B"
+    assert store.read_bytes(store.folder_file(uri, "model.bin")).startswith(b"B:model.bin:")
+    with pytest.raises(StoreError, match="the folder has no file 'model-0.bin'"):
+        store.folder_file(uri, "model-0.bin")
+    if where == "s3":  # the replaced version is deleted, not just hidden
+        token = store.read_manifest(uri)["token"]
+        assert {f.split("/")[1] for f in store.list_files(uri) if f.startswith("_versions/")} == {token}
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_two_file_writers_never_mix(where, tmp_path, request, monkeypatch):
+    if where == "s3":  # big enough for a multipart upload, where a mix of parts would be possible
+        monkeypatch.setattr(store, "MULTIPART_THRESHOLD", 5 * 1024 * 1024)
+        monkeypatch.setattr(store, "PART_SIZE", 5 * 1024 * 1024)
+    base = str(tmp_path) if where == "local" else f"s3://{request.getfixturevalue('s3_env')}"
+    payload = {w: w.encode() * (11 * 1024 * 1024) for w in "AB"}
+    for trial in range(TRIALS):
+        uri = store.join(base, f"file-{trial % 2}.bin")
+        _race(*(lambda w=w, uri=uri: store.write_bytes(uri, payload[w]) for w in "AB"))
+        data = store.read_bytes(uri)
+        assert data in (payload["A"], payload["B"])
+    if where == "local":
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["file-0.bin", "file-1.bin"]
+
+
+def test_local_outputs_are_group_readable(tmp_path):
+    old = os.umask(0o022)
+    try:
+        store.write_bytes(str(tmp_path / "a.bin"), b"x")
+        store.upload_dir(_folder(tmp_path / "src", "A", ["f.bin"]), str(tmp_path / "ckpt"))
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.bin").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "ckpt").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "ckpt" / "f.bin").stat().st_mode & 0o777 == 0o644
+
+
+def test_check_writable_fails_fast_and_writes_nothing(tmp_path, s3_env):
+    with pytest.raises(StoreError, match="^s3://no-such-bucket-x/out.parquet: the bucket does not exist$"):
+        store.check_writable("s3://no-such-bucket-x/out.parquet")
+    store.check_writable(f"s3://{s3_env}/round/out.parquet")
+    assert store.list_files(f"s3://{s3_env}") == []
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StoreError, match="is not a folder"):
+        store.check_writable(str(tmp_path / "file" / "sub" / "out.parquet"))
+    store.check_writable(str(tmp_path / "new" / "deeper" / "out.parquet"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_outputs_as_a_set_publish_all_or_none(tmp_path, s3_env):
+    outs = [str(tmp_path / "a.bin"), f"s3://{s3_env}/b.bin", str(tmp_path / "plots")]
+    with pytest.raises(RuntimeError, match="later output failed"), store.outputs_as_a_set(*outs) as paths:
+        Path(paths[0]).write_bytes(b"a")
+        raise RuntimeError("later output failed")
+    assert not Path(outs[0]).exists() and not store.exists(outs[1]) and not Path(outs[2]).exists()
+
+    # Publishing itself fails at the last output: the ones already published are removed again.
+    blocker = tmp_path / "plots"
+    blocker.write_text("a file where the folder should go")
+    with (
+        pytest.raises(StoreError, match="exists and is not a folder"),
+        store.outputs_as_a_set(*outs) as paths,
+    ):
+        Path(paths[0]).write_bytes(b"a")
+        Path(paths[1]).write_bytes(b"b")
+        Path(paths[2]).mkdir()
+        (Path(paths[2]) / "p.png").write_bytes(b"png")
+    assert not Path(outs[0]).exists() and not store.exists(outs[1])
+    blocker.unlink()
+
+    with store.outputs_as_a_set(*outs) as paths:
+        Path(paths[0]).write_bytes(b"a")
+        Path(paths[1]).write_bytes(b"b")
+        Path(paths[2]).mkdir()
+        (Path(paths[2]) / "p.png").write_bytes(b"png")
+    assert store.read_bytes(outs[0]) == b"a" and store.read_bytes(outs[1]) == b"b"
+    assert store.is_complete(outs[2]) and (Path(outs[2]) / "p.png").read_bytes() == b"png"

@@ -328,6 +328,7 @@ def validate_table(table: pa.Table, k: Kind, where: str) -> None:
                 f"{where}: column {fld.name!r} has {col.null_count} null(s); nulls are not allowed"
             )
     table = table.select(k.schema.names).cast(k.schema)
+    _check_text_and_numbers(table, k, where)
     if table.num_rows < k.min_rows:
         raise ArtifactError(f"{where}: {k.name!r} artifact is empty; expected at least {k.min_rows} row(s)")
     for col_name, (low, high) in k.ranges.items():
@@ -353,6 +354,36 @@ def validate_table(table: pa.Table, k: Kind, where: str) -> None:
             raise ArtifactError(
                 f"{where}: duplicate key {first} in columns {list(k.keys)} ({dup.num_rows} duplicated key(s))"
             )
+
+
+# Columns where NaN is a value, not an error: a metric that is undefined for a round (no pairs to rank).
+NAN_ALLOWED = {("metrics", "value")}
+
+
+def _check_text_and_numbers(table: pa.Table, k: Kind, where: str) -> None:
+    """Text must be valid UTF-8 (Parquet readers do not check it) and numbers must be finite: a NaN
+    reward or score would pass every range check and then poison training."""
+    for fld in k.schema:
+        col = table.column(fld.name)
+        texts = col
+        if fld.name == "items":
+            texts = pc.struct_field(pc.list_flatten(col), "text")
+        if pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type):
+            try:
+                for chunk in texts.chunks if isinstance(texts, pa.ChunkedArray) else [texts]:
+                    chunk.validate(full=True)
+            except pa.ArrowInvalid:
+                raise ArtifactError(
+                    f"{where}: column {fld.name!r} has text that is not valid UTF-8"
+                ) from None
+        if pa.types.is_floating(col.type) and (k.name, fld.name) not in NAN_ALLOWED:
+            finite = pc.is_finite(col)  # null stays null: nulls are checked separately
+            bad = len(col) - col.null_count - (pc.sum(finite).as_py() or 0)
+            if bad:
+                row = pc.index(finite, False).as_py()
+                raise ArtifactError(
+                    f"{where}: column {fld.name!r} has {bad} NaN or infinite value(s), the first in row {row}"
+                )
 
 
 def _compatible(found: pa.DataType, expected: pa.DataType) -> bool:

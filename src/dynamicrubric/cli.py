@@ -5,11 +5,38 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import NoReturn
 
 from dynamicrubric.artifacts import KIND_KEY, ArtifactError
 from dynamicrubric.config import ConfigError
 from dynamicrubric.launch import LaunchError
 from dynamicrubric.store import StoreError
+
+MAX_ERROR_CHARS = 300  # an error echoes user data (an id, a path): a 4 MB id must not flood the terminal
+
+# Errors that describe bad input or an unusable store/config: their message is the whole story.
+USER_ERRORS = (ArtifactError, ConfigError, StoreError, LaunchError, ValueError, OSError)
+
+
+def one_line(message: object, limit: int = MAX_ERROR_CHARS) -> str:
+    """`message` on one line (whitespace collapsed), cut to `limit` characters with a note of how many
+    more there were."""
+    text = " ".join(str(message).split())
+    if len(text) <= limit:
+        return text
+    keep = limit - len(f"... ({len(text)} more chars)")  # the count's width is at most this
+    return f"{text[:keep]}... ({len(text) - keep} more chars)"
+
+
+def describe_error(err: BaseException) -> str:
+    """One line for the user. Bad-input errors say what is wrong themselves; anything else is named by
+    its type, since it is a bug to report rather than an input to fix."""
+    from dynamicrubric.engines import EngineError
+    from dynamicrubric.models import ModelError
+
+    if isinstance(err, USER_ERRORS + (EngineError, ModelError)) and str(err):
+        return one_line(err)
+    return one_line(f"{type(err).__name__}: {err} (an internal error: rerun with -v for the traceback)")
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -19,8 +46,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for uri in args.uris:
         try:
             table = read_artifact(uri)
-        except (ArtifactError, StoreError) as e:
-            print(f"FAIL {e}")
+        except Exception as e:  # one file's problem must not stop the others being checked
+            if args.verbose and not isinstance(e, ArtifactError | StoreError):
+                logging.exception("%s", uri)
+            print(f"FAIL {describe_error(e)}")
             failed += 1
             continue
         kind = table.schema.metadata[KIND_KEY].decode()
@@ -49,13 +78,30 @@ def cmd_model_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_shard(args: argparse.Namespace) -> None:
+    from dynamicrubric.steps import check_shard
+
+    check_shard(args.shard, args.num_shards)
+
+
+def _preflight(*uris: str) -> None:
+    """Check the outputs can be written before any input is read or model loaded."""
+    from dynamicrubric.store import check_writable
+
+    for uri in uris:
+        check_writable(uri)
+
+
 def cmd_rollout(args: argparse.Namespace) -> int:
     from dynamicrubric.rollout import run_rollout
 
+    _check_shard(args)
+    cfg = _config(args)
+    _preflight(args.out)
     counts = run_rollout(
         args.prompts,
         args.out,
-        _config(args),
+        cfg,
         policy=args.policy,
         seed=args.seed,
         shard=args.shard,
@@ -67,10 +113,12 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 def cmd_rubrics(args: argparse.Namespace) -> int:
     from dynamicrubric.rubrics import run_rubrics
 
+    cfg = _config(args)
+    _preflight(args.out)
     counts = run_rubrics(
         args.rollouts,
         args.out,
-        _config(args),
+        cfg,
         generator=args.generator,
         samples=args.samples,
         variant=args.variant,
@@ -82,9 +130,9 @@ def cmd_rubrics(args: argparse.Namespace) -> int:
 def cmd_judge(args: argparse.Namespace) -> int:
     from dynamicrubric.judge import run_judge
 
-    counts = run_judge(
-        args.rollouts, args.out, _config(args), rubrics_uri=args.rubrics, verifier=args.verifier
-    )
+    cfg = _config(args)
+    _preflight(args.out)
+    counts = run_judge(args.rollouts, args.out, cfg, rubrics_uri=args.rubrics, verifier=args.verifier)
     return _print_counts("judge", counts)
 
 
@@ -146,6 +194,7 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
 def cmd_candidates(args: argparse.Namespace) -> int:
     from dynamicrubric import steps
 
+    _check_shard(args)
     counts = steps.candidates(
         _config(args).to_yaml(),
         "",
@@ -247,8 +296,15 @@ def _stage_parser(sub, name: str, help_text: str, func) -> argparse.ArgumentPars
     return p
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes as one line, like every other error (`--help` still shows the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {one_line(message)} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dynrubric",
         description="DynamicRubric: evaluator-policy co-evolution for LLM post-training, on Kubeflow Pipelines.",
     )
@@ -403,8 +459,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (ArtifactError, ConfigError, StoreError, LaunchError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.verbose:
+            logging.exception("%s failed", args.command)
+        print(f"error: {describe_error(e)}", file=sys.stderr)
         return 1
 
 

@@ -55,6 +55,10 @@ class EngineConfig(Section):
     batch_size: int = Field(16, ge=1)
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)  # vLLM only
     tensor_parallel_size: int = Field(1, ge=1)  # vLLM only
+    # A prompt longer than the model's context: "error" stops the stage naming the prompt; "truncate"
+    # keeps its last tokens (the end of a chat prompt, where the question and the answer cue are) and
+    # logs how many prompts were cut.
+    long_prompts: Literal["error", "truncate"] = "error"
 
 
 class DataConfig(Section):
@@ -303,6 +307,10 @@ def load_config(
             user = yaml.safe_load(Path(path).read_text()) or {}
         except FileNotFoundError:
             raise ConfigError(f"{path}: no such config file") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (invalid byte at offset {e.start})") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the config file: {e.strerror}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}".splitlines()[0]) from None
         if not isinstance(user, dict):

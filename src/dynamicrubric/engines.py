@@ -23,6 +23,7 @@ import abc
 import contextlib
 import gc
 import hashlib
+import logging
 import math
 import sys
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from typing import Any
 
 from dynamicrubric.config import EngineConfig
 from dynamicrubric.models import resolve_model
+
+log = logging.getLogger(__name__)
 
 # Single-token spellings counted as a "yes" / "no" answer; those the tokenizer lacks are skipped.
 YES_SPELLINGS = ("yes", "Yes", "YES", " yes", " Yes", " YES")
@@ -199,8 +202,10 @@ class HFEngine(Engine):
         batch_size: int = 16,
         model: Any = None,
         tokenizer: Any = None,
+        long_prompts: str = "error",
     ) -> None:
-        """Load `model_ref`; or wrap an already loaded `model` and `tokenizer` (training stages do)."""
+        """Load `model_ref`; or wrap an already loaded `model` and `tokenizer` (training stages do).
+        `long_prompts` ("error" | "truncate") says what to do with a prompt longer than the context."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -226,6 +231,33 @@ class HFEngine(Engine):
             raise EngineError(f"tokenizer of {model_ref!r} has neither a pad nor an eos token")
         self.stop_ids = self._stop_ids()
         self.yes_ids, self.no_ids = answer_token_ids(tokenizer)
+        if long_prompts not in ("error", "truncate"):
+            raise EngineError(f"long_prompts must be 'error' or 'truncate', got {long_prompts!r}")
+        self.long_prompts = long_prompts
+        self.truncated_prompts = 0  # how many prompts were cut to fit the context, over this engine's life
+        self.context_length = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
+
+    def _fit(self, ids: list[int], room: int, what: str) -> list[int]:
+        """`ids` cut to leave `room` tokens of the context free, or an error, as configured. Checked before
+        any forward pass: a 4 MB prompt would otherwise try to allocate many GB of attention."""
+        if self.context_length is None or len(ids) + room <= self.context_length:
+            return ids
+        keep = self.context_length - room
+        if self.long_prompts == "error" or keep < 1:
+            raise EngineError(
+                f"{what} has {len(ids)} tokens; with {room} more it exceeds the context length "
+                f"{self.context_length} of {self.model_ref!r} (engine.long_prompts: truncate cuts it instead)"
+            )
+        self.truncated_prompts += 1
+        log.warning(
+            "%s: %d tokens cut to its last %d to fit the context of %s (%d prompt(s) truncated so far)",
+            what,
+            len(ids),
+            keep,
+            self.model_ref,
+            self.truncated_prompts,
+        )
+        return ids[-keep:]
 
     def _stop_ids(self) -> list[int]:
         ids: list[int] = []
@@ -296,6 +328,7 @@ class HFEngine(Engine):
         for i, e in enumerate(encoded):
             if not e:
                 raise EngineError(f"generate: prompt {i} is empty")
+        encoded = [self._fit(e, max_new_tokens, f"generate: prompt {i}") for i, e in enumerate(encoded)]
         rows = [(i, j) for i in range(len(prompts)) for j in range(n)]
         # Long prompts first, so rows of similar length share a batch (less padding).
         rows.sort(key=lambda r: (-len(encoded[r[0]]), r[0], r[1]))
@@ -441,7 +474,11 @@ class HFEngine(Engine):
                 raise EngineError(
                     f"yes_probability: pair {k} has an empty suffix (it must hold at least one token)"
                 )
-        prefix_ids = dict(zip(prefixes, self._encode(prefixes), strict=True))
+        longest = max(len(s) for s in suffix_ids)
+        prefix_ids = {
+            p: self._fit(ids, longest, f"judge: prompt {i}")
+            for i, (p, ids) in enumerate(zip(prefixes, self._encode(prefixes), strict=True))
+        }
         result: list[float] = [0.0] * len(pairs)
         if not share_prefix:
             full = [prefix_ids[p] + s for (p, _), s in zip(pairs, suffix_ids, strict=True)]
@@ -542,6 +579,10 @@ class HFEngine(Engine):
         for i, p in enumerate(p_ids):
             if not p:
                 raise EngineError(f"logprobs: prompt {i} is empty")
+        p_ids = [
+            self._fit(p, len(c), f"logprobs: prompt {i}")
+            for i, (p, c) in enumerate(zip(p_ids, c_ids, strict=True))
+        ]
         result: list[list[float]] = []
         for s in range(0, len(prompts), self.batch_size):
             idx = range(s, min(s + self.batch_size, len(prompts)))
@@ -800,7 +841,13 @@ def _vllm_progress(desc: str) -> Any:
 def load_engine(model_ref: str, cfg: EngineConfig) -> Engine:
     """The engine `cfg.engine` names, loaded with `model_ref`."""
     if cfg.engine == "hf":
-        return HFEngine(model_ref, device=cfg.device, dtype=cfg.dtype, batch_size=cfg.batch_size)
+        return HFEngine(
+            model_ref,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            batch_size=cfg.batch_size,
+            long_prompts=cfg.long_prompts,
+        )
     if cfg.engine == "vllm":
         if cfg.device == "cpu":
             raise EngineError("engine 'vllm' runs on a GPU; set engine: hf for device: cpu")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from dynamicrubric import tracking
+from dynamicrubric import store, tracking
 from dynamicrubric.artifacts import empty_table, read_frame, read_frames, write_artifact
 from dynamicrubric.config import Config, config_from_yaml
 
@@ -22,6 +22,20 @@ from dynamicrubric.config import Config, config_from_yaml
 def _setup(config_yaml: str) -> Config:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return config_from_yaml(config_yaml)
+
+
+def check_shard(shard: int, num_shards: int) -> None:
+    if num_shards < 1:
+        raise ValueError(f"num_shards (--num-shards) must be >= 1, got {num_shards}")
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard (--shard) must be within 0..{num_shards - 1}, got {shard}")
+
+
+def preflight(*uris: str) -> None:
+    """Check every output can be written before inputs are read or a model is loaded: a missing bucket
+    found after the compute throws the compute away."""
+    for uri in uris:
+        store.check_writable(uri)
 
 
 def _merged(paths: list[str], kind: str, workdir: str) -> str:
@@ -64,10 +78,12 @@ def prepare_data(
 
     started = time.perf_counter()
     cfg = _setup(config_yaml)
-    write_artifact(train_prompts, "prompts", tasks.configured_prompts(cfg.data, "train"))
-    write_artifact(eval_prompts, "prompts", tasks.configured_prompts(cfg.data, "eval"))
-    lists = [tasks.load_nectar(uri) for uri in cfg.data.anchors]
-    write_artifact(anchor_lists, "anchors", pd.concat(lists) if lists else empty_table("anchors"))
+    preflight(train_prompts, eval_prompts, anchor_lists)
+    with store.outputs_as_a_set(train_prompts, eval_prompts, anchor_lists) as (train, held_out, lists_out):
+        write_artifact(train, "prompts", tasks.configured_prompts(cfg.data, "train"))
+        write_artifact(held_out, "prompts", tasks.configured_prompts(cfg.data, "eval"))
+        lists = [tasks.load_nectar(uri) for uri in cfg.data.anchors]
+        write_artifact(lists_out, "anchors", pd.concat(lists) if lists else empty_table("anchors"))
     with tracking.stage_run(cfg, run_name, 0, "prepare_data", started=started) as run:
         if run:
             for uri, kind in [
@@ -95,6 +111,8 @@ def rollout(
 
     started = time.perf_counter()
     cfg = _setup(config_yaml)
+    check_shard(shard, num_shards)
+    preflight(out)
     counts = run_rollout(prompts, out, cfg, policy=policy, seed=seed, shard=shard, num_shards=num_shards)
     with tracking.stage_run(cfg, run_name, round_idx, f"{label}-rollout-{shard}", started=started) as run:
         if run:
@@ -142,6 +160,8 @@ def candidates(
 
     started = time.perf_counter()
     cfg = _setup(config_yaml)
+    check_shard(shard, num_shards)
+    preflight(out_candidates, out_anchors)
     policy_sets = read_frame(rollouts, "rollouts")
     outcome_lists = tasks.anchors_from_outcomes(
         policy_sets, read_frame(prompts, "prompts"), timeout_s=cfg.evaluate.sandbox_timeout_s
@@ -152,8 +172,9 @@ def candidates(
     list_ids = sorted(user_lists["list_id"].unique())
     mine = set(list_ids[shard::num_shards])
     user_lists = user_lists[user_lists["list_id"].isin(mine)]
-    write_artifact(out_candidates, "rollouts", pd.concat([policy_sets, rollouts_from_anchors(user_lists)]))
-    write_artifact(out_anchors, "anchors", pd.concat([outcome_lists, user_lists]))
+    with store.outputs_as_a_set(out_candidates, out_anchors) as (sets_out, ranked_out):
+        write_artifact(sets_out, "rollouts", pd.concat([policy_sets, rollouts_from_anchors(user_lists)]))
+        write_artifact(ranked_out, "anchors", pd.concat([outcome_lists, user_lists]))
     counts = {
         "policy_sets": policy_sets["prompt_id"].nunique(),
         "ranked_policy_sets": outcome_lists["list_id"].nunique(),
@@ -188,6 +209,7 @@ def rubrics(
 
     started = time.perf_counter()
     cfg = _setup(config_yaml)
+    preflight(out)
     counts = run_rubrics(candidates, out, cfg, generator=generator, samples=samples, seed=seed)
     with tracking.stage_run(cfg, run_name, round_idx, f"{label}-rubrics-{shard}", started=started) as run:
         if run:
@@ -213,6 +235,7 @@ def judge(
 
     started = time.perf_counter()
     cfg = _setup(config_yaml)
+    preflight(out)
     counts = run_judge(candidates, out, cfg, rubrics_uri=rubrics or None, verifier=verifier)
     with tracking.stage_run(cfg, run_name, round_idx, f"{label}-judge-{shard}", started=started) as run:
         if run:
@@ -247,7 +270,9 @@ def aggregate(
     started = time.perf_counter()
     cfg = _setup(config_yaml)
     variant = "pointwise" if not rubrics else cfg.rubrics.variant
-    with tempfile.TemporaryDirectory() as work:
+    outputs = (out_scores, out_rewards, out_diagnostics, out_metrics)
+    preflight(*outputs)
+    with tempfile.TemporaryDirectory() as work, store.outputs_as_a_set(*outputs) as staged:
         candidates_uri = _merged(candidates, "rollouts", work)
         anchors_uri = _merged(anchors, "anchors", work) if anchors else None
         if anchors_uri is None and prompts:
@@ -263,10 +288,7 @@ def aggregate(
         overall = run_aggregate(
             _merged(judgments, "judgments", work),
             candidates_uri,
-            out_scores,
-            out_rewards,
-            out_diagnostics,
-            out_metrics,
+            *staged,
             rubrics_uri=_merged(rubrics, "rubrics", work) if rubrics else None,
             anchors_uri=anchors_uri,
             soft=cfg.aggregate.soft,
@@ -307,6 +329,7 @@ def train_evaluator(
 
     started = time.perf_counter()
     cfg = _setup(config_yaml)
+    preflight(out_model, out_steps, out_metrics)
     result = train.launch(
         "train-evaluator",
         cfg,
@@ -348,6 +371,7 @@ def train_policy(
 
     started = time.perf_counter()
     cfg = _setup(config_yaml)
+    preflight(out_model, out_steps, out_metrics)
     result = train.launch(
         "train-policy",
         cfg,
@@ -385,19 +409,21 @@ def evaluate(
 
     started = time.perf_counter()
     cfg = _setup(config_yaml)
-    Path(out_plots).mkdir(parents=True, exist_ok=True)
-    result = run_evaluate(
-        eval_prompts,
-        out_metrics,
-        out_plots,
-        cfg,
-        policy=policy,
-        generator=generator,
-        verifier=verifier,
-        previous_policy=previous_policy or None,
-        labelled_uris=tuple(cfg.data.labelled),
-        round_idx=round_idx,
-    )
+    preflight(out_metrics, out_plots)
+    # Metrics and plots are published together once both exist: a failure leaves neither (no empty plots/).
+    with store.outputs_as_a_set(out_metrics, out_plots) as (metrics_out, plots_out):
+        result = run_evaluate(
+            eval_prompts,
+            metrics_out,
+            plots_out,
+            cfg,
+            policy=policy,
+            generator=generator,
+            verifier=verifier,
+            previous_policy=previous_policy or None,
+            labelled_uris=tuple(cfg.data.labelled),
+            round_idx=round_idx,
+        )
     with tracking.stage_run(cfg, run_name, round_idx, "evaluate", started=started) as run:
         if run:
             params = {

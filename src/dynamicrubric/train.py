@@ -220,8 +220,9 @@ def evaluator_dataset(
 
 def _already_done(out_uri: str, metrics_uri: str | None) -> dict:
     log.info("%s: checkpoint already complete; nothing to do", out_uri)
-    summary_uri = store.join(out_uri, SUMMARY_FILE)
-    if not store.exists(summary_uri):  # a checkpoint written by something else: nothing recorded
+    try:  # through the folder's manifest: on S3 its files live under the writer's version
+        summary_uri = store.folder_file(out_uri, SUMMARY_FILE)
+    except store.StoreError:  # a checkpoint written by something else: nothing recorded
         return {}
     summary = json.loads(store.read_bytes(summary_uri))
     if metrics_uri and not store.exists(metrics_uri):
@@ -377,8 +378,7 @@ def _checkpoint_callback(work_uri: str):
             store.upload_dir(local, store.join(work_uri, name))
             for old in _stored_checkpoints(work_uri):
                 if old != name:
-                    for f in store.list_files(store.join(work_uri, old)):
-                        store.delete(f)
+                    store.delete_dir(store.join(work_uri, old))
             shutil.rmtree(local, ignore_errors=True)
             if os.environ.get(STALL_ENV) == str(state.global_step):
                 print(f"stalled after step {state.global_step}", flush=True)
@@ -512,11 +512,7 @@ def _grpo(
         if metrics_uri:
             write_artifact(metrics_uri, "metrics", rows)
         _write_checkpoint(trainer, path, tcfg, tokenizer, out_uri, stage, round_idx, model_ref, final, rows)
-        if store.is_s3(work_uri):
-            for f in store.list_files(work_uri):
-                store.delete(f)
-        else:
-            shutil.rmtree(store.local_path(work_uri), ignore_errors=True)  # the scratch folder is inside
+        store.delete_dir(work_uri)  # the trainer checkpoints (and, locally, the scratch folder inside)
         shutil.rmtree(scratch, ignore_errors=True)
     state.wait_for_everyone()
     return final

@@ -1,0 +1,475 @@
+"""Every `dynrubric stage ...` command (and `validate`) fed bad inputs.
+
+Each case must end with one short `error:` line (no traceback), a non-zero exit, and no output written.
+The commands run in-process through `cli.main`, so a hundred cases take seconds, not the minutes that
+a hundred interpreter starts would.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dynamicrubric import artifacts, cli, store
+from dynamicrubric.artifacts import write_artifact
+
+# ---- good inputs: two arithmetic prompts, K=2 responses each, one rubric of two items per prompt
+
+PROMPTS = [
+    {
+        "prompt_id": f"p{i}",
+        "task": "basic_arithmetic",
+        "prompt": f"{i} + 2 = ?",
+        "reference": str(i + 2),
+        "meta": None,
+    }
+    for i in range(2)
+]
+ROLLOUTS = [
+    {
+        "prompt_id": f"p{i}",
+        "sample_idx": s,
+        "prompt": f"{i} + 2 = ?",
+        "response": str(i + 2 + s),
+        "num_tokens": 1,
+        "finish_reason": "stop",
+        "policy": "tiny-random",
+        "seed": 0,
+    }
+    for i in range(2)
+    for s in range(2)
+]
+RUBRICS = [
+    {
+        "prompt_id": f"p{i}",
+        "rubric_idx": 0,
+        "variant": "dynamic",
+        "generator": "tiny-random",
+        "generator_prompt": "...",
+        "completion": "1. (5) correct\n2. (2) short",
+        "finish_reason": "stop",
+        "parse_status": "lines",
+        "items": [{"text": "correct", "weight": 5}, {"text": "short", "weight": 2}],
+    }
+    for i in range(2)
+]
+JUDGMENTS = [
+    {
+        "prompt_id": f"p{i}",
+        "rubric_idx": 0,
+        "item_idx": m,
+        "sample_idx": s,
+        "weight": (5, 2)[m],
+        "verdict": s == 0,
+        "p_yes": 0.9 if s == 0 else 0.1,
+    }
+    for i in range(2)
+    for m in range(2)
+    for s in range(2)
+]
+ANCHORS = [
+    {"list_id": "l0", "sample_idx": s, "rank": s + 1, "prompt": "q", "response": f"a{s}", "source": "nectar"}
+    for s in range(3)
+]
+SCORES = [
+    {"prompt_id": f"p{i}", "rubric_idx": 0, "sample_idx": s, "score": float(s == 0), "num_items": 2}
+    for i in range(2)
+    for s in range(2)
+]
+REWARDS = [
+    {"prompt_id": f"p{i}", "rubric_idx": 0, "r_disc": 0.1, "r_anchor": None, "num_items": 2} for i in range(2)
+]
+GOOD = {
+    "prompts": PROMPTS,
+    "rollouts": ROLLOUTS,
+    "rubrics": RUBRICS,
+    "judgments": JUDGMENTS,
+    "anchors": ANCHORS,
+    "scores": SCORES,
+    "rewards": REWARDS,
+}
+
+# Each stage: its arguments, with {kind} placeholders for inputs and {out} for its output folder.
+STAGES: dict[str, list[str]] = {
+    "rollout": ["--prompts", "{prompts}", "--out", "{out}/rollouts.parquet"],
+    "rubrics": ["--rollouts", "{rollouts}", "--out", "{out}/rubrics.parquet"],
+    "judge": ["--rollouts", "{rollouts}", "--rubrics", "{rubrics}", "--out", "{out}/judgments.parquet"],
+    "prepare-data": [
+        "--out-train", "{out}/train.parquet", "--out-eval", "{out}/eval.parquet",
+        "--out-anchors", "{out}/anchors.parquet",
+    ],
+    "candidates": [
+        "--rollouts", "{rollouts}", "--prompts", "{prompts}", "--anchor-lists", "{anchors}",
+        "--out", "{out}/candidates.parquet", "--out-anchors", "{out}/ranked.parquet",
+    ],
+    "aggregate": [
+        "--judgments", "{judgments}", "--rollouts", "{rollouts}", "--rubrics", "{rubrics}",
+        "--anchors", "{anchors}", "--out-scores", "{out}/scores.parquet", "--out-rewards",
+        "{out}/rewards.parquet", "--out-diagnostics", "{out}/diagnostics.parquet",
+        "--out-metrics", "{out}/metrics.parquet",
+    ],
+    "train-evaluator": [
+        "--rubrics", "{rubrics}", "--rewards", "{rewards}", "--generator", "tiny-random",
+        "--out", "{out}/generator", "--metrics", "{out}/metrics.parquet",
+    ],
+    "train-policy": [
+        "--rollouts", "{rollouts}", "--scores", "{scores}", "--policy", "tiny-random",
+        "--out", "{out}/policy", "--metrics", "{out}/metrics.parquet",
+    ],
+    "evaluate": [
+        "--prompts", "{prompts}", "--policy", "tiny-random", "--generator", "tiny-random",
+        "--verifier", "tiny-random", "--out", "{out}/metrics.parquet", "--plots", "{out}/plots",
+    ],
+}  # fmt: skip
+INPUTS = {stage: [k for k in GOOD if f"{{{k}}}" in args] for stage, args in STAGES.items()}
+
+
+# ---- bad versions of an artifact
+
+
+def _write_raw(path: Path, table: pa.Table, kind: str) -> str:
+    meta = {artifacts.KIND_KEY: kind.encode(), artifacts.VERSION_KEY: artifacts.SCHEMA_VERSION.encode()}
+    pq.write_table(table.replace_schema_metadata(meta), path)
+    return str(path)
+
+
+def _invalid_utf8(column: pa.ChunkedArray) -> pa.Array:
+    """`column` with its first string made invalid UTF-8 (pyarrow builds it without checking, as a
+    foreign writer may)."""
+    values = [b"\xff\xfe", *(v.encode() for v in column.to_pylist()[1:])]
+    offsets = [0]
+    for v in values:
+        offsets.append(offsets[-1] + len(v))
+    buffers = [None, pa.array(offsets, pa.int32()).buffers()[1], pa.py_buffer(b"".join(values))]
+    return pa.Array.from_buffers(pa.string(), len(values), buffers)
+
+
+def _first(table: pa.Table, pred) -> str:
+    return next(f.name for f in table.schema if pred(f))
+
+
+def bad_file(kind: str, how: str, folder: Path) -> str:
+    """An artifact of `kind` broken in one way: the file a user or a foreign tool might hand us."""
+    path = folder / f"{kind}-{how}.parquet"
+    table = artifacts.to_table(kind, GOOD[kind])
+    if how == "missing-file":
+        return str(folder / f"no-such-{kind}.parquet")
+    if how == "malformed-parquet":
+        path.write_bytes(b"PAR1 this is not a parquet file")
+        return str(path)
+    if how == "not-a-parquet-at-all":
+        path.write_bytes(b"\x00\xff" * 100)
+        return str(path)
+    if how == "empty-file":
+        path.write_bytes(b"")
+        return str(path)
+    if how == "missing-column":
+        return _write_raw(path, table.drop_columns([table.schema.names[-1]]), kind)
+    if how == "wrong-type":
+        name = _first(table, lambda f: pa.types.is_string(f.type))
+        column = pa.array(range(table.num_rows), pa.int64())
+        return _write_raw(path, table.set_column(table.schema.get_field_index(name), name, column), kind)
+    if how == "invalid-utf8":
+        name = _first(table, lambda f: pa.types.is_string(f.type))
+        idx = table.schema.get_field_index(name)
+        return _write_raw(path, table.set_column(idx, name, _invalid_utf8(table.column(idx))), kind)
+    if how == "wrong-kind":
+        other = "anchors" if kind != "anchors" else "prompts"
+        write_artifact(str(path), other, GOOD[other])
+        return str(path)
+    if how in ("nan", "inf"):
+        name = _first(table, lambda f: pa.types.is_floating(f.type) and not f.nullable)
+        values = table.column(name).to_pylist()
+        values[0] = math.nan if how == "nan" else math.inf
+        column = pa.array(values, table.schema.field(name).type)
+        return _write_raw(path, table.set_column(table.schema.get_field_index(name), name, column), kind)
+    if how == "huge-id":  # a duplicated 4 MB id: the error names it, and must not echo all of it
+        rows = [dict(r) for r in GOOD[kind]]
+        key = artifacts.kind(kind).keys[0]
+        rows[1] = {**rows[0]}
+        rows[0][key] = rows[1][key] = "x" * (4 << 20)
+        return _write_raw(path, pa.Table.from_pylist(rows, schema=artifacts.kind(kind).schema), kind)
+    raise AssertionError(how)
+
+
+FILE_PROBLEMS = [
+    "missing-file",
+    "malformed-parquet",
+    "not-a-parquet-at-all",
+    "empty-file",
+    "missing-column",
+    "wrong-type",
+    "invalid-utf8",
+    "wrong-kind",
+]
+FLOAT_KINDS = [
+    k for k in GOOD if any(pa.types.is_floating(f.type) and not f.nullable for f in artifacts.kind(k).schema)
+]
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("good")
+    return {kind: _write(folder / f"{kind}.parquet", kind, rows) for kind, rows in GOOD.items()}
+
+
+def _write(path: Path, kind: str, rows: list[dict]) -> str:
+    write_artifact(str(path), kind, rows)
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_logging():
+    """cli.main sets up logging once per process; drop its handler so each case logs to its own stderr."""
+    yield
+    for handler in list(logging.root.handlers):
+        logging.root.removeHandler(handler)
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    for handler in list(logging.root.handlers):
+        logging.root.removeHandler(handler)
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:  # argparse
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def assert_clean_failure(code: int, output: str, out: Path | None, prefix: str = "error: ") -> str:
+    assert code not in (0, None), output[-2000:]
+    assert "Traceback" not in output, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith(prefix)]
+    assert len(errors) == 1, output[-2000:]
+    assert len(errors[0]) <= len(prefix) + cli.MAX_ERROR_CHARS, errors[0][:500]
+    if out is not None:
+        left = sorted(str(p.relative_to(out)) for p in out.rglob("*")) if out.exists() else []
+        assert left == [], f"partial output left behind: {left}"
+    return errors[0]
+
+
+def stage_argv(
+    stage: str, good: dict[str, str], out: Path, *, preset: str = "tiny", **replace: str
+) -> list[str]:
+    paths = {**good, **replace}
+    args = [a.format(out=out, **paths) for a in STAGES[stage]]
+    return ["stage", stage, "--preset", preset, *args]
+
+
+# ---- the table
+
+
+CASES = [(stage, kind, how) for stage, kinds in INPUTS.items() for kind in kinds for how in FILE_PROBLEMS]
+CASES += [
+    (stage, kind, how)
+    for stage, kinds in INPUTS.items()
+    for kind in kinds
+    if kind in FLOAT_KINDS
+    for how in ("nan", "inf")
+]
+
+
+@pytest.mark.parametrize("stage,kind,how", CASES, ids=[f"{s}-{k}-{h}" for s, k, h in CASES])
+def test_bad_input_file(stage, kind, how, good, tmp_path, capsys):
+    bad = bad_file(kind, how, tmp_path)
+    out = tmp_path / "out"
+    code, output = run_cli(stage_argv(stage, good, out, **{kind: bad}), capsys)
+    line = assert_clean_failure(code, output, out)
+    assert (Path(bad).name in line) or (how == "wrong-kind" and kind in line), line  # names the file
+
+
+NON_UTF8_CONFIG = b"preset: tiny\nseed: 1 # caf\xe9\n"
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_non_utf8_config(stage, good, tmp_path, capsys):
+    config = tmp_path / "bad.yaml"
+    config.write_bytes(NON_UTF8_CONFIG)
+    out = tmp_path / "out"
+    code, output = run_cli([*stage_argv(stage, good, out), "--config", str(config)], capsys)
+    line = assert_clean_failure(code, output, out)
+    assert line == f"error: {config}: not UTF-8 text (invalid byte at offset 26)"
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_unreachable_store(stage, good, tmp_path, capsys, monkeypatch):
+    """The output's store cannot be reached: the stage says so before loading any model."""
+    from services import free_port
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv(store.RETRY_BUDGET_ENV, "0")  # give up at once (the default waits 2 minutes)
+    monkeypatch.setenv("DYNRUBRIC_S3_MAX_ATTEMPTS", "1")
+    store.reset_client()
+    try:
+        code, output = run_cli(stage_argv(stage, good, "s3://bucket/run"), capsys)
+    finally:
+        store.reset_client()
+    line = assert_clean_failure(code, output, None)
+    assert "cannot reach the S3 endpoint" in line, line
+    assert "Loading" not in output and "tiny-random" not in output.replace(line, "")
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_missing_output_bucket(stage, good, tmp_path, capsys, s3_env):
+    code, output = run_cli(stage_argv(stage, good, "s3://no-such-bucket-for-outputs/run"), capsys)
+    line = assert_clean_failure(code, output, None)
+    assert line.endswith(": the bucket does not exist"), line
+    assert store.list_files(f"s3://{s3_env}") == []
+
+
+@pytest.mark.parametrize("stage", ["rollout", "candidates"])
+@pytest.mark.parametrize(
+    "shards", [["--num-shards", "0"], ["--num-shards", "-1"], ["--shard", "2", "--num-shards", "2"]]
+)
+def test_bad_shards(stage, shards, good, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, output = run_cli([*stage_argv(stage, good, out), *shards], capsys)
+    line = assert_clean_failure(code, output, out)
+    assert "shard" in line
+
+
+def test_usage_errors_are_one_line(good, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, output = run_cli(["stage", "rollout", "--prompts", good["prompts"]], capsys)  # no --out
+    line = assert_clean_failure(code, output, out)
+    assert "--out" in line and code == 2
+    code, output = run_cli([*stage_argv("rollout", good, out), "--num-shards", "many"], capsys)
+    assert "invalid int value: 'many'" in assert_clean_failure(code, output, out)
+
+
+def test_aggregate_error_is_one_line(good, tmp_path, capsys):
+    """Judgments of a response that is not among the rollouts: AggregateError, a ValueError, not a crash."""
+    rows = [dict(r) for r in JUDGMENTS]
+    rows[0]["sample_idx"] = 7
+    judgments = _write(tmp_path / "j.parquet", "judgments", rows)
+    out = tmp_path / "out"
+    code, output = run_cli(stage_argv("aggregate", good, out, judgments=judgments), capsys)
+    line = assert_clean_failure(code, output, out)
+    assert "judgment" in line
+
+
+def test_aggregate_leaves_no_output_when_a_later_output_fails(good, tmp_path, capsys):
+    """The diagnostics (third output) cannot be published: the first two are not left behind."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "diagnostics.parquet").mkdir()  # a folder where the file should go
+    code, output = run_cli(stage_argv("aggregate", good, out), capsys)
+    assert_clean_failure(code, output, None)
+    assert sorted(p.name for p in out.iterdir()) == ["diagnostics.parquet"]
+    (out / "diagnostics.parquet").rmdir()
+    code, output = run_cli(stage_argv("aggregate", good, out), capsys)  # the same inputs are fine
+    assert code == 0, output[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "diagnostics.parquet",
+        "metrics.parquet",
+        "rewards.parquet",
+        "scores.parquet",
+    ]
+
+
+def test_good_inputs_pass(good, tmp_path, capsys):
+    """The table's failures come from the bad input, not from the good ones around it."""
+    for stage in ("candidates", "aggregate"):
+        out = tmp_path / stage
+        code, output = run_cli(stage_argv(stage, good, out), capsys)
+        assert code == 0, output[-2000:]
+    code, output = run_cli(["validate", *good.values()], capsys)
+    assert code == 0, output
+
+
+# ---- long prompts: checked against the model's context, as configured
+
+
+def _long_prompts(tmp_path: Path) -> str:
+    rows = [dict(r) for r in PROMPTS]
+    rows[0]["prompt"] = "1 + " * (1 << 20)  # 4 MB
+    return _write(tmp_path / "long.parquet", "prompts", rows)
+
+
+def test_four_megabyte_prompt_is_rejected(good, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, output = run_cli(stage_argv("rollout", good, out, prompts=_long_prompts(tmp_path)), capsys)
+    line = assert_clean_failure(code, output, out)
+    assert "exceeds the context length 2048 of 'tiny-random'" in line, line
+    assert "engine.long_prompts: truncate" in line
+
+
+def test_four_megabyte_prompt_is_truncated_when_configured(good, tmp_path, capsys):
+    config = tmp_path / "truncate.yaml"
+    config.write_text("engine: {long_prompts: truncate}\n")
+    out = tmp_path / "out"
+    argv = stage_argv("rollout", good, out, prompts=_long_prompts(tmp_path))
+    code, output = run_cli([*argv, "--config", str(config)], capsys)
+    assert code == 0, output[-2000:]
+    assert "cut to its last" in output and "1 prompt(s) truncated so far" in output
+    assert artifacts.read_frame(str(out / "rollouts.parquet"), "rollouts")["prompt_id"].nunique() == 2
+
+
+# ---- validate
+
+
+VALIDATE_CASES = [(kind, how) for kind in GOOD for how in FILE_PROBLEMS if how != "wrong-kind"]
+VALIDATE_CASES += [(kind, how) for kind in FLOAT_KINDS for how in ("nan", "inf")]
+VALIDATE_CASES += [("prompts", "huge-id"), ("rollouts", "huge-id")]
+
+
+@pytest.mark.parametrize("kind,how", VALIDATE_CASES, ids=[f"{k}-{h}" for k, h in VALIDATE_CASES])
+def test_validate_rejects(kind, how, good, tmp_path, capsys):
+    bad = bad_file(kind, how, tmp_path)
+    code, output = run_cli(["validate", good["prompts"], bad], capsys)
+    line = assert_clean_failure(code, output, None, prefix="FAIL ")
+    assert line.startswith(f"FAIL {bad}"), line[:300]
+    assert f"OK   {good['prompts']}" in output  # the other file is still checked
+
+
+def test_error_messages_are_capped():
+    assert cli.one_line("a\nb\t c") == "a b c"
+    long = cli.one_line("x" * 10_000)
+    kept, more = long.rsplit("... (", 1)
+    assert len(long) <= cli.MAX_ERROR_CHARS and kept == "x" * len(kept)
+    assert more == f"{10_000 - len(kept)} more chars)"
+
+
+def test_artifacts_are_group_readable(tmp_path):
+    """Not 0600 (what a temp file gets): the usual umask 022 gives 0644, and a stricter umask is obeyed."""
+    for umask, mode in ((0o022, 0o644), (0o077, 0o600)):
+        old = os.umask(umask)
+        try:
+            path = _write(tmp_path / f"{umask:o}.parquet", "prompts", PROMPTS)
+        finally:
+            os.umask(old)
+        assert Path(path).stat().st_mode & 0o777 == mode
+
+
+def test_evaluate_leaves_no_metrics_when_its_plots_cannot_be_published(good, tmp_path, capsys):
+    """The whole evaluation runs, then the plots folder cannot be written (a file is in its place): the
+    metrics written before are removed again, and no plots folder is left."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "plots").write_text("not a folder")
+    code, output = run_cli(stage_argv("evaluate", good, out), capsys)
+    line = assert_clean_failure(code, output, None)
+    assert line == f"error: {out / 'plots'}: exists and is not a folder"
+    assert sorted(p.name for p in out.iterdir()) == ["plots"] and (out / "plots").is_file()
+
+
+def test_four_megabyte_prompt_is_rejected_by_the_judge(good, tmp_path, capsys):
+    """The verifier's prompt holds the task (responses are clipped to judge.max_response_chars): a 4 MB
+    task is checked against the context too, in the judge's own code path (yes_probability)."""
+    rows = [dict(r) for r in ROLLOUTS]
+    for row in rows[:2]:  # both samples of p0 share the prompt
+        row["prompt"] = "1 + " * (1 << 20)  # 4 MB
+    rollouts = _write(tmp_path / "long.parquet", "rollouts", rows)
+    out = tmp_path / "out"
+    code, output = run_cli(stage_argv("judge", good, out, rollouts=rollouts), capsys)
+    line = assert_clean_failure(code, output, out)
+    assert "judge: prompt" in line and "exceeds the context length 2048 of 'tiny-random'" in line, line
