@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
+from dynamicrubric import logs
 from dynamicrubric.artifacts import KIND_KEY, ArtifactError
 from dynamicrubric.config import ConfigError
 from dynamicrubric.launch import LaunchError
@@ -89,20 +89,15 @@ def cmd_judge(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from dynamicrubric.launch import format_table, round_table, run_local
-    from dynamicrubric.tracking import tracking_uri
+    from dynamicrubric.launch import report, run_local
 
     cfg = _config_with_rounds(args)
     print(
-        f"dynrubric run: preset {cfg.preset}, {cfg.pipeline.rounds} round(s), pipeline root {cfg.pipeline.pipeline_root}"
+        f"dynrubric run: preset {cfg.preset}, {cfg.pipeline.rounds} round(s), pipeline root {cfg.pipeline.pipeline_root}",
+        flush=True,
     )
-    parent = run_local(cfg)
-    # Written directly: kfp.local's parallel workers can leave builtins.print swapped for an indenting one.
-    summary = "\n" + format_table(round_table(cfg, parent)) + "\n"
-    uri = tracking_uri(cfg)
-    if uri:
-        summary += f"\nMLflow parent run {parent}. Open the UI with:\n  mlflow ui --backend-store-uri {uri}\n"
-    sys.stdout.write(summary)
+    result = run_local(cfg, verbose=args.verbose, fresh=args.fresh)
+    sys.stdout.write(report(cfg, result))
     return 0
 
 
@@ -246,7 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dynrubric",
         description="DynamicRubric: evaluator-policy co-evolution for LLM post-training, on Kubeflow Pipelines.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="debug logging; `run` also shows every task's own output"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
@@ -268,6 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
         sub, "run", "run the whole co-evolution pipeline locally (kfp.local, MLflow in sqlite)", cmd_run
     )
     p.add_argument("--rounds", type=int, help="override pipeline.rounds")
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="run every task again under a new run name (by default a rerun of the same config is "
+        "taken from the cache)",
+    )
     p = _stage_parser(sub, "compile", "compile the pipeline to a KFP YAML package", cmd_compile)
     p.add_argument("--out", required=True, metavar="FILE")
     p.add_argument("--rounds", type=int, help="override pipeline.rounds")
@@ -382,9 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
-    )
+    logs.setup(args.verbose)
     try:
         return args.func(args)
     except (ArtifactError, ConfigError, StoreError, LaunchError) as e:

@@ -11,12 +11,13 @@ A reference is one of:
     a fixed corpus, with a ChatML template. Built in seconds and bit-for-bit deterministic, for tests;
 - a Hugging Face hub id (`owner/name`), fetched through huggingface_hub's cache (`snapshot_download`).
 
-Builds are atomic (a temporary folder renamed into place), so concurrent processes that prepare
-the same model are safe: one rename wins and the others discard their copy.
+Builds are atomic (a temporary folder renamed into place) and serialised by a file lock in the
+cache, so concurrent processes that prepare the same model build it once and the others wait.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -115,16 +116,22 @@ def prepare_model(name: str) -> Path:
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=final.parent))
-    try:
-        builders[name](tmp)
+    # One builder at a time per cache (parallel shards would each spend ~40 s building SmolLM2): the
+    # others wait on the lock and then find the folder. The rename below keeps a crash mid-build safe.
+    with open(final.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / "config.json").is_file():
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=final.parent))
         try:
-            os.rename(tmp, final)  # atomic; fails if another process finished first
-        except OSError:
-            if not (final / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            builders[name](tmp)
+            try:
+                os.rename(tmp, final)  # atomic; fails if another process finished first
+            except OSError:
+                if not (final / "config.json").is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 

@@ -7,20 +7,19 @@ task can be run and tested without KFP, and `dynrubric stage NAME` reruns the sa
 
 from __future__ import annotations
 
-import logging
 import tempfile
 import time
 from pathlib import Path
 
 import pandas as pd
 
-from dynamicrubric import tracking
+from dynamicrubric import logs, tracking
 from dynamicrubric.artifacts import empty_table, read_frame, read_frames, write_artifact
 from dynamicrubric.config import Config, config_from_yaml
 
 
 def _setup(config_yaml: str) -> Config:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logs.setup()
     return config_from_yaml(config_yaml)
 
 
@@ -284,6 +283,7 @@ def aggregate(
                 (out_scores, "scores"),
                 (out_rewards, "rewards"),
                 (out_diagnostics, "diagnostics"),
+                (out_metrics, "metrics"),
             ]:
                 run.log_artifact_dataset(uri, kind, "output")
             run.log_metrics(overall)
@@ -320,6 +320,7 @@ def train_evaluator(
             for uri in rubrics:
                 run.log_artifact_dataset(uri, "rubrics", "input")
             run.log_artifact_dataset(rewards, "rewards", "input")
+            run.log_artifact_dataset(out_metrics, "metrics", "output")
             run.log_metrics_table(out_metrics)
             run.log_model(run_name, f"generator-round-{round_idx}", out_model, {"base": generator})
     return result
@@ -355,9 +356,27 @@ def train_policy(
             for uri in rollouts:
                 run.log_artifact_dataset(uri, "rollouts", "input")
             run.log_artifact_dataset(scores, "scores", "input")
+            run.log_artifact_dataset(out_metrics, "metrics", "output")
             run.log_metrics_table(out_metrics)
             run.log_model(run_name, f"policy-round-{round_idx}", out_model, {"base": policy})
     return result
+
+
+# Evaluator variants whose rubrics the generator writes (the pointwise judge uses the verifier alone).
+GENERATOR_VARIANTS = ("dynamic", "static")
+
+
+def metrics_by_role(result: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Evaluate's metrics split by the model they describe: `policy/*` belong to the policy checkpoint,
+    the generator-written variants' (`dynamic/*`, `static/*`) to the generator checkpoint."""
+    by_role: dict[str, dict[str, float]] = {"policy": {}, "generator": {}}
+    for key, value in result.items():
+        variant = key.split("/", 1)[0]
+        if variant == "policy":
+            by_role["policy"][key] = value
+        elif variant in GENERATOR_VARIANTS:
+            by_role["generator"][key] = value
+    return by_role
 
 
 def evaluate(
@@ -399,10 +418,13 @@ def evaluate(
             }
             run.log_params(params)
             run.log_artifact_dataset(eval_prompts, "prompts", "input")
+            run.log_artifact_dataset(out_metrics, "metrics", "output")
             run.log_metrics_table(out_metrics)
             run.log_dir(out_plots, f"plots/round-{round_idx}")
-            for name in (f"policy-round-{round_idx}", f"generator-round-{round_idx}"):
-                model_id = run.find_model(run_name, name)
-                if model_id:  # link the checkpoint to the numbers it earned
-                    run.log_model_metrics(model_id, result)
+            for role, metrics in metrics_by_role(result).items():
+                model_id = run.find_model(run_name, f"{role}-round-{round_idx}")
+                if model_id:  # link each checkpoint to the numbers about its own role
+                    run.log_model_metrics(model_id, metrics)
+            # the task's log line (these are logged above, per step, by log_metrics_table)
+            run.summary.update({k: result[k] for k in ("policy/accuracy", "policy/win_rate") if k in result})
     return result
