@@ -228,18 +228,18 @@ def _mean(*values: float | None) -> float | None:
 
 
 STAGE_ORDER = [
-    "prepare_data",
+    "prepare-data",
     "generator-rollout",
     "generator-candidates",
     "generator-rubrics",
     "generator-judge",
     "generator-aggregate",
-    "train_evaluator",
+    "train-evaluator",
     "policy-rollout",
     "policy-rubrics",
     "policy-judge",
     "policy-aggregate",
-    "train_policy",
+    "train-policy",
     "evaluate",
 ]
 
@@ -256,6 +256,7 @@ def stage_seconds(result: dict[str, Any]) -> dict[str, dict[int, float]]:
 
 
 def _stage_position(stage: str) -> int:
+    stage = stage.replace("_", "-")  # runs before the CLI's spelling became the run names' (train_policy)
     return STAGE_ORDER.index(stage) if stage in STAGE_ORDER else len(STAGE_ORDER)
 
 

@@ -324,7 +324,7 @@ class TaskMonitor:
         folder.mkdir(parents=True, exist_ok=True)
         log_path = folder / "task.log"
         entry["log"] = str(log_path)
-        env = {**os.environ, **(env_vars or {})}
+        env = {**os.environ, **(env_vars or {}), logs.SUMMARY_ENV: "1"}
         started = time.monotonic()
         numbers: dict = {}
         tty = self.err.isatty()

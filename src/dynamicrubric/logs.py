@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DATEFMT = "%H:%M:%S"
 SUMMARY_MARK = "::dynrubric-summary::"
+SUMMARY_ENV = "DYNRUBRIC_TASK_SUMMARY"  # set by `dynrubric run` for its tasks: only they print the line
 
 
 def setup(verbose: bool = False) -> None:
@@ -27,7 +29,10 @@ def setup(verbose: bool = False) -> None:
 
 
 def emit_summary(numbers: dict[str, object]) -> None:
-    """Print a stage's key numbers as one marked line (finite numbers only, at most 8 of them)."""
+    """Print a stage's key numbers as one marked line (finite numbers only, at most 8 of them), when
+    the process is a task of `dynrubric run` (elsewhere the line would only be noise)."""
+    if not os.environ.get(SUMMARY_ENV):
+        return
     finite = {
         k: v
         for k, v in numbers.items()

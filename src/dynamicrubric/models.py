@@ -77,6 +77,18 @@ def resolve_model(ref: str) -> Path:
     return _from_hub(ref)
 
 
+def model_reference(ref: str) -> str:
+    """The reference an artifact stores for the model it came from, the same however it was typed: a
+    local folder as its absolute path (a pod's mounted /s3/b/k as s3://b/k, the URI a rerun would
+    name), a built-in name or hub id as it is."""
+    from dynamicrubric.tracking import POD_PREFIXES, artifact_uri
+
+    if ref.startswith(tuple(POD_PREFIXES)) or "://" in ref:
+        return artifact_uri(ref)
+    path = Path(ref).expanduser()
+    return str(path.resolve()) if path.exists() else ref
+
+
 def _from_hub(repo_id: str) -> Path:
     """Fetch a hub model through huggingface_hub's cache; the local cache is used first."""
     from huggingface_hub import snapshot_download

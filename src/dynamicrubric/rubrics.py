@@ -17,6 +17,7 @@ import pandas as pd
 from dynamicrubric.artifacts import read_frame, write_artifact
 from dynamicrubric.config import Config
 from dynamicrubric.engines import Engine, load_engine
+from dynamicrubric.models import model_reference
 from dynamicrubric.prompts import dynamic_rubric_prompt, parse_rubric, response_order, static_rubric_prompt
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ def run_rubrics(
         seed=seed,
         desc=f"rubrics ({variant})",
     )
+    reference = model_reference(generator)  # stored normalised: the bytes do not depend on how it was typed
     rows = []
     for request, gen in zip(requests.itertuples(), generations, strict=True):
         for g, (completion, finish_reason) in enumerate(zip(gen.texts, gen.finish_reasons, strict=True)):
@@ -84,7 +86,7 @@ def run_rubrics(
                     "prompt_id": request.prompt_id,
                     "rubric_idx": g,
                     "variant": variant,
-                    "generator": generator,
+                    "generator": reference,
                     "generator_prompt": request.generator_prompt,
                     "completion": completion,
                     "finish_reason": finish_reason,

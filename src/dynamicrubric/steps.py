@@ -16,6 +16,7 @@ import pandas as pd
 from dynamicrubric import logs, tracking
 from dynamicrubric.artifacts import empty_table, read_frame, read_frames, write_artifact
 from dynamicrubric.config import Config, config_from_yaml
+from dynamicrubric.models import model_reference
 
 
 def _setup(config_yaml: str) -> Config:
@@ -97,7 +98,9 @@ def rollout(
     counts = run_rollout(prompts, out, cfg, policy=policy, seed=seed, shard=shard, num_shards=num_shards)
     with tracking.stage_run(cfg, run_name, round_idx, f"{label}-rollout-{shard}", started=started) as run:
         if run:
-            run.log_params({"policy": policy, "seed": seed, "shard": shard, "num_shards": num_shards})
+            run.log_params(
+                {"policy": model_reference(policy), "seed": seed, "shard": shard, "num_shards": num_shards}
+            )
             run.log_artifact_dataset(prompts, "prompts", "input")
             run.log_artifact_dataset(out, "rollouts", "output")
             run.log_metrics(counts)
@@ -190,7 +193,9 @@ def rubrics(
     counts = run_rubrics(candidates, out, cfg, generator=generator, samples=samples, seed=seed)
     with tracking.stage_run(cfg, run_name, round_idx, f"{label}-rubrics-{shard}", started=started) as run:
         if run:
-            run.log_params({"generator": generator, "samples": samples, "seed": seed, "shard": shard})
+            run.log_params(
+                {"generator": model_reference(generator), "samples": samples, "seed": seed, "shard": shard}
+            )
             run.log_artifact_dataset(candidates, "rollouts", "input")
             run.log_artifact_dataset(out, "rubrics", "output")
             run.log_metrics(counts)
@@ -215,7 +220,7 @@ def judge(
     counts = run_judge(candidates, out, cfg, rubrics_uri=rubrics or None, verifier=verifier)
     with tracking.stage_run(cfg, run_name, round_idx, f"{label}-judge-{shard}", started=started) as run:
         if run:
-            run.log_params({"verifier": verifier, "shard": shard})
+            run.log_params({"verifier": model_reference(verifier), "shard": shard})
             run.log_artifact_dataset(candidates, "rollouts", "input")
             if rubrics:
                 run.log_artifact_dataset(rubrics, "rubrics", "input")
