@@ -130,7 +130,7 @@ def run_variant(variant: str, root: Path, plots: Path, preset: str | None = None
 
     log.info("study %s: the %d-round pipeline under kfp.local", variant, cfg.pipeline.rounds)
     start = time.perf_counter()
-    parent = run_local(cfg)
+    parent = run_local(cfg).parent_run_id
     pipeline_s = time.perf_counter() - start
 
     stages = stage_runs(cfg, parent)
