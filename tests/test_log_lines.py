@@ -76,3 +76,34 @@ def test_cached_rerun_says_so(tiny_run):
     assert f"All {n} tasks were cached: nothing ran" in proc.stdout
     assert "--fresh" in proc.stdout
     assert not TASK_LINE.search(proc.stdout)  # no task ran
+
+
+def test_a_failing_task_shows_its_error(tmp_path):
+    """The quiet log must not hide a failure: the task's own error is printed, with its log file."""
+    import yaml
+
+    bad = tmp_path / "anchors.jsonl"
+    bad.write_text('{"prompt": "", "answers": []}\n')  # an empty prompt: prepare-data refuses it
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "preset": "tiny",
+                "data": {"anchors": [str(bad)]},
+                "pipeline": {"pipeline_root": str(tmp_path / "runs"), "rounds": 1, "shards": 1},
+            }
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "dynamicrubric.cli", "run", "--config", str(config)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 1
+    assert "FAILED setup prepare-data" in proc.stderr
+    assert "'prompt' must be non-empty text" in proc.stderr  # the task's own error line
+    assert "task.log" in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the pipeline stopped"), last

@@ -167,6 +167,7 @@ def candidates(
         if run:
             run.log_params({"shard": shard, "num_shards": num_shards})
             run.log_artifact_dataset(rollouts, "rollouts", "input")
+            run.log_artifact_dataset(prompts, "prompts", "input")  # their answers rank the rollouts
             run.log_artifact_dataset(anchor_lists, "anchors", "input")
             run.log_artifact_dataset(out_candidates, "rollouts", "output")
             run.log_artifact_dataset(out_anchors, "anchors", "output")
