@@ -480,9 +480,10 @@ def round_table(cfg: Config, parent_run_id: str) -> list[dict]:
 
 
 def _with_n(metrics: dict, key: str, n_key: str) -> tuple[float, int] | None:
-    if key not in metrics:
+    """(value, n); NaN when the sample was counted but held nothing to measure (e.g. no labelled pair)."""
+    if key not in metrics and n_key not in metrics:
         return None
-    return metrics[key], int(metrics.get(n_key, 0))
+    return metrics.get(key, float("nan")), int(metrics.get(n_key, 0))
 
 
 def _main_variant(cfg: Config) -> str:

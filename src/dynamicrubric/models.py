@@ -83,6 +83,8 @@ def model_reference(ref: str) -> str:
     name), a built-in name or hub id as it is."""
     from dynamicrubric.tracking import POD_PREFIXES, artifact_uri
 
+    if ref in BUILTIN_MODELS:  # resolve_model reads these as built-in names, whatever folders exist here
+        return ref
     if ref.startswith(tuple(POD_PREFIXES)) or "://" in ref:
         return artifact_uri(ref)
     path = Path(ref).expanduser()
