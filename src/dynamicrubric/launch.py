@@ -471,7 +471,12 @@ def round_table(cfg: Config, parent_run_id: str) -> list[dict]:
                 "mean_gap": agg.get("mean_gap"),
                 "tie_rate": agg.get("tie_rate"),
                 "uniformity": agg.get("uniformity_rate"),
-                "evaluator_acc": _with_n(ev, f"{variant}/pairwise_accuracy", f"{variant}/labelled_pairs"),
+                "evaluator_acc": _with_n(
+                    ev,
+                    f"{variant}/pairwise_accuracy",
+                    f"{variant}/labelled_pairs",
+                    f"{variant}/labelled_lists",
+                ),
                 "policy_acc": _with_n(ev, "policy/accuracy", "policy/samples"),
                 "win_rate": _with_n(ev, "policy/win_rate", "policy/win_rate_prompts"),
             }
@@ -479,9 +484,10 @@ def round_table(cfg: Config, parent_run_id: str) -> list[dict]:
     return table
 
 
-def _with_n(metrics: dict, key: str, n_key: str) -> tuple[float, int] | None:
-    """(value, n); NaN when the sample was counted but held nothing to measure (e.g. no labelled pair)."""
-    if key not in metrics and n_key not in metrics:
+def _with_n(metrics: dict, key: str, n_key: str, counted: str = "") -> tuple[float, int] | None:
+    """(value, n); NaN with n = 0 when the stage ran (`counted` was logged) but had nothing to measure,
+    e.g. no labelled pair; None when the metric was not measured at all."""
+    if not any(k in metrics for k in (key, n_key, counted) if k):
         return None
     return metrics.get(key, float("nan")), int(metrics.get(n_key, 0))
 
