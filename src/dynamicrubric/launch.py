@@ -79,7 +79,8 @@ def run_local(cfg: Config, *, verbose: bool = False, fresh: bool = False) -> Loc
         except RuntimeError as e:  # kfp.local raises once a task fails; the monitor printed its log
             failed = [t for t in monitor.tasks if t.get("status") == "failed"]
             where = f" (log: {failed[0]['log']})" if failed else ""
-            raise LaunchError(f"the pipeline stopped: {_one_line(e)}{where}") from e
+            message = re.sub(r"\x1b\[[0-9;]*m", "", _one_line(e))  # kfp colours task names
+            raise LaunchError(f"the pipeline stopped: {message}{where}") from e
     result = LocalRun(run_name, tracking.find_pipeline_run(cfg, run_name) or "", monitor.tasks)
     result.run_dirs, result.index_files = write_index(root, monitor.tasks)
     return result

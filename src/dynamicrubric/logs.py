@@ -20,11 +20,14 @@ SUMMARY_ENV = "DYNRUBRIC_TASK_SUMMARY"  # set by `dynrubric run` for its tasks: 
 
 
 def setup(verbose: bool = False) -> None:
-    """Configure the root logger once per process (a second call changes only the level)."""
+    """Configure the root logger: our format on its handlers, and the level."""
     level = logging.DEBUG if verbose else logging.INFO
     root = logging.getLogger()
     if not root.handlers:
         logging.basicConfig(level=level, format=FORMAT, datefmt=DATEFMT)
+    else:  # e.g. the KFP executor's own handler in a task process: our format for what follows
+        for handler in root.handlers:
+            handler.setFormatter(logging.Formatter(FORMAT, DATEFMT))
     root.setLevel(level)
 
 
