@@ -107,3 +107,15 @@ def test_a_failing_task_shows_its_error(tmp_path):
     assert "task.log" in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: the pipeline stopped"), last
+
+
+def test_fresh_takes_a_new_run_name():
+    """--fresh: every task's cache key includes the run name, so a new name reuses nothing."""
+    from dynamicrubric.cli import build_parser
+    from dynamicrubric.config import load_config
+    from dynamicrubric.launch import fresh_run_name
+    from dynamicrubric.pipelines.co_evolution import default_run_name
+
+    cfg = load_config(preset="tiny")
+    assert fresh_run_name(cfg).startswith(default_run_name(cfg) + "-")
+    assert build_parser().parse_args(["run", "--preset", "tiny", "--fresh"]).fresh

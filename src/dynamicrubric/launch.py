@@ -271,12 +271,10 @@ class TaskMonitor:
         saved = [
             (subprocess_task_handler, "run_local_subprocess", self.run_task),
             (task_executor, "execute_single_task", self._wrap_execute(task_executor.execute_single_task)),
-            (logging_utils, "local_logger_context", contextlib.nullcontext),  # one log format: ours
-            (
-                logging_utils,
-                "indented_print",
-                contextlib.nullcontext,
-            ),  # swaps builtins.print; not thread-safe
+            # kfp's own handler and format while it logs: one log format, ours
+            (logging_utils, "local_logger_context", contextlib.nullcontext),
+            # it swaps builtins.print for an indenting one, which parallel workers race on
+            (logging_utils, "indented_print", contextlib.nullcontext),
             (logging_utils, "print_horizontal_line", lambda: None),
         ]
         originals = [(module, name, getattr(module, name)) for module, name, _ in saved]
