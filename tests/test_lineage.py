@@ -115,7 +115,7 @@ def test_index_covers_every_file_kfp_wrote(tiny_run):
 def test_each_checkpoint_carries_only_its_own_role_metrics(tiny_run, walked):
     client, runs = walked
     experiment = runs[0].info.experiment_id
-    models = client.search_logged_models(experiment_ids=[experiment], output_format="list")
+    models = list(client.search_logged_models(experiment_ids=[experiment]))
     names = {m.name for m in models}
     rounds = tiny_run["cfg"].pipeline.rounds
     assert {f"{role}-round-{t}" for role in ("policy", "generator") for t in range(1, rounds + 1)} <= names
