@@ -131,8 +131,10 @@ def prepare_model(name: str) -> Path:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     # One builder at a time per cache (parallel shards would each spend ~40 s building SmolLM2): the
-    # others wait on the lock and then find the folder. The rename below keeps a crash mid-build safe.
-    with open(final.parent / f".{name}.lock", "w") as lock:
+    # others wait on the lock and then find the folder. The lock is on the cache folder itself, so
+    # nothing is left behind; the rename below keeps a crash mid-build safe.
+    lock = os.open(final.parent, os.O_RDONLY)
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (final / "config.json").is_file():
             return final
@@ -146,6 +148,8 @@ def prepare_model(name: str) -> Path:
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        os.close(lock)  # releases the lock
     return final
 
 
