@@ -154,10 +154,13 @@ def _rerun(stage: str, args: argparse.Namespace) -> dict:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from dynamicrubric.launch import report, run_local
+    from dynamicrubric.pipelines.co_evolution import task_count
 
     cfg = _config_with_rounds(args)
     print(
-        f"dynrubric run: preset {cfg.preset}, {cfg.pipeline.rounds} round(s), pipeline root {cfg.pipeline.pipeline_root}",
+        f"dynrubric run: preset {cfg.preset}, {cfg.pipeline.rounds} round(s), {task_count(cfg)} tasks, "
+        f"pipeline root {cfg.pipeline.pipeline_root}; a line per task as it ends "
+        f"(its full output: task.log in its folder{'' if args.verbose else ', or --verbose'})",
         flush=True,
     )
     result = run_local(cfg, verbose=args.verbose, fresh=args.fresh)

@@ -322,7 +322,7 @@ def train_evaluator(
         )
     with tracking.stage_run(cfg, run_name, round_idx, "train_evaluator", started=started) as run:
         if run:
-            run.log_params({"generator": generator})
+            run.log_params({"generator": model_reference(generator)})
             for uri in rubrics:
                 run.log_artifact_dataset(uri, "rubrics", "input")
             run.log_artifact_dataset(rewards, "rewards", "input")
@@ -358,7 +358,7 @@ def train_policy(
         )
     with tracking.stage_run(cfg, run_name, round_idx, "train_policy", started=started) as run:
         if run:
-            run.log_params({"policy": policy})
+            run.log_params({"policy": model_reference(policy)})
             for uri in rollouts:
                 run.log_artifact_dataset(uri, "rollouts", "input")
             run.log_artifact_dataset(scores, "scores", "input")
@@ -417,10 +417,10 @@ def evaluate(
     with tracking.stage_run(cfg, run_name, round_idx, "evaluate", started=started) as run:
         if run:
             params = {
-                "policy": policy,
-                "generator": generator,
-                "verifier": verifier,
-                "previous": previous_policy,
+                "policy": model_reference(policy),
+                "generator": model_reference(generator),
+                "verifier": model_reference(verifier),
+                "previous": model_reference(previous_policy) if previous_policy else "",
             }
             run.log_params(params)
             run.log_artifact_dataset(eval_prompts, "prompts", "input")
