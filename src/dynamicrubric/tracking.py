@@ -138,9 +138,8 @@ class StageRun:
             except self.mlflow.exceptions.MlflowException as e:
                 # Two shards logging the same input at once race on MLflow's check-then-insert of the
                 # dataset row (UNIQUE constraint on a SQL store); the row exists now, so once more finds it.
-                message = str(
-                    e
-                ).lower()  # sqlite: "UNIQUE constraint failed"; postgres: "duplicate key value"
+                # sqlite: "UNIQUE constraint failed"; postgres: "duplicate key value"
+                message = str(e).lower()
                 if "unique constraint" not in message and "duplicate" not in message:
                     raise
                 log.info("MLflow: dataset %s was logged concurrently; retrying", uri)
