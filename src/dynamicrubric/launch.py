@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -319,7 +320,8 @@ class TaskMonitor:
         with self._lock:
             self.tasks.append(entry)
         label = task_label(entry)
-        folder = Path(entry["folder"]) if entry["folder"] else Path.cwd()
+        # kfp.local always names an executor output file; without one the log goes to a temporary folder
+        folder = Path(entry["folder"] or tempfile.mkdtemp(prefix="dynrubric-task-"))
         folder.mkdir(parents=True, exist_ok=True)
         log_path = folder / "task.log"
         entry["log"] = str(log_path)
