@@ -130,7 +130,7 @@ def run_variant(variant: str, root: Path, plots: Path, preset: str | None = None
 
     log.info("study %s: the %d-round pipeline under kfp.local", variant, cfg.pipeline.rounds)
     start = time.perf_counter()
-    parent = run_local(cfg)
+    parent = run_local(cfg).parent_run_id
     pipeline_s = time.perf_counter() - start
 
     stages = stage_runs(cfg, parent)
@@ -228,18 +228,18 @@ def _mean(*values: float | None) -> float | None:
 
 
 STAGE_ORDER = [
-    "prepare_data",
+    "prepare-data",
     "generator-rollout",
     "generator-candidates",
     "generator-rubrics",
     "generator-judge",
     "generator-aggregate",
-    "train_evaluator",
+    "train-evaluator",
     "policy-rollout",
     "policy-rubrics",
     "policy-judge",
     "policy-aggregate",
-    "train_policy",
+    "train-policy",
     "evaluate",
 ]
 
@@ -256,6 +256,7 @@ def stage_seconds(result: dict[str, Any]) -> dict[str, dict[int, float]]:
 
 
 def _stage_position(stage: str) -> int:
+    stage = stage.replace("_", "-")  # runs before the CLI's spelling became the run names' (train_policy)
     return STAGE_ORDER.index(stage) if stage in STAGE_ORDER else len(STAGE_ORDER)
 
 

@@ -39,3 +39,41 @@ def s3_env(seaweed, monkeypatch):
     seaweed.client().create_bucket(Bucket=bucket)
     yield bucket
     store.reset_client()
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """One `dynrubric run --preset tiny` (a real process, default log level) shared by the log, lineage and
+    rerun tests: each full run costs minutes of CPU. Returns its folder, config, output and index."""
+    import json
+    import subprocess
+
+    import yaml
+
+    from dynamicrubric.config import load_config
+
+    workdir = tmp_path_factory.mktemp("tiny-run")
+    config = workdir / "config.yaml"
+    config.write_text(
+        yaml.safe_dump({"preset": "tiny", "pipeline": {"pipeline_root": str(workdir / "runs")}})
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "dynamicrubric.cli", "run", "--config", str(config)],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert proc.returncode == 0, f"the tiny run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    indexes = sorted((workdir / "runs").glob("*/index.json"))
+    assert len(indexes) == 1, f"expected one run folder with an index, found {indexes}"
+    return {
+        "workdir": workdir,
+        "config": config,
+        "cfg": load_config(config),
+        "stdout": proc.stdout,
+        "stderr": proc.stderr,
+        "index": json.loads(indexes[0].read_text()),
+        "run_folder": indexes[0].parent,
+        "tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}",
+    }

@@ -45,7 +45,7 @@ def _stages(base: str, join) -> dict[str, str]:
         "stage",
         "rubrics",
         *common,
-        "--rollouts",
+        "--candidate-sets",
         uris["rollouts"],
         "--out",
         uris["rubrics"],
@@ -56,14 +56,14 @@ def _stages(base: str, join) -> dict[str, str]:
         "stage",
         "judge",
         *common,
-        "--rollouts",
+        "--candidate-sets",
         uris["rollouts"],
         "--rubrics",
         uris["rubrics"],
         "--out",
         uris["judgments"],
     )
-    _run("stage", "judge", *common, "--rollouts", uris["rollouts"], "--out", uris["pw"])
+    _run("stage", "judge", *common, "--candidate-sets", uris["rollouts"], "--out", uris["pw"])
     for variant, judgments, rubrics in [
         ("agg", "judgments", ["--rubrics", uris["rubrics"]]),
         ("pwagg", "pw", []),
@@ -77,7 +77,7 @@ def _stages(base: str, join) -> dict[str, str]:
             *common,
             "--judgments",
             uris[judgments],
-            "--rollouts",
+            "--candidate-sets",
             uris["rollouts"],
             *rubrics,
             *[a for k, u in outs.items() for a in (f"--out-{k}", u)],

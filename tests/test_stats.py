@@ -1,38 +1,31 @@
-import numpy as np
+import math
+
 import pytest
 
-from bench.stats import bootstrap_mean, paired_difference
+from dynamicrubric.stats import wilson_interval
 
 
-def test_interval_contains_the_mean_and_narrows_with_n():
-    rng = np.random.default_rng(1)
-    small = bootstrap_mean(rng.binomial(1, 0.3, size=20))
-    large = bootstrap_mean(rng.binomial(1, 0.3, size=2000))
-    for r in (small, large):
-        assert r["low"] <= r["mean"] <= r["high"]
-    assert (large["high"] - large["low"]) < (small["high"] - small["low"]) / 5
-    assert large["low"] < 0.3 < large["high"]
+def test_wilson_matches_published_values():
+    # Newcombe (1998), Table I: 81/263 → 0.2553–0.3662; 15/148 → 0.0624–0.1605 (95%, no continuity correction)
+    lo, hi = wilson_interval(81 / 263, 263)
+    assert (round(lo, 4), round(hi, 4)) == (0.2553, 0.3662)
+    lo, hi = wilson_interval(15 / 148, 148)
+    assert (round(lo, 4), round(hi, 4)) == (0.0624, 0.1605)
 
 
-def test_constant_values_have_a_zero_width_interval():
-    r = bootstrap_mean([0.5] * 10)
-    assert r == {"mean": 0.5, "low": 0.5, "high": 0.5, "n": 10}
+def test_wilson_small_samples_stay_in_range_and_are_wide():
+    lo, hi = wilson_interval(0.5, 1)
+    assert 0.0 < lo < 0.5 < hi < 1.0 and hi - lo > 0.8
+    lo, hi = wilson_interval(1.0, 3)
+    assert hi == 1.0 and 0.0 < lo < 0.5
+    lo, hi = wilson_interval(0.0, 3)
+    assert lo == 0.0 and 0.5 < hi < 1.0
+    assert wilson_interval(0.3, 0) == (0.0, 1.0)
+    narrow = wilson_interval(0.5, 10_000)
+    assert math.isclose(narrow[1] - narrow[0], 2 * 1.96 * 0.005, rel_tol=0.01)
 
 
-def test_nan_units_are_dropped_and_empty_is_nan():
-    assert bootstrap_mean([1.0, float("nan"), 0.0])["n"] == 2
-    assert np.isnan(bootstrap_mean([float("nan")])["mean"])
-
-
-def test_paired_difference_keeps_the_pairing():
-    # Large unit-to-unit spread, constant +0.1 improvement: pairing makes the interval exact.
-    before = np.linspace(0, 0.8, 50)
-    r = paired_difference(before + 0.1, before)
-    assert r["low"] == pytest.approx(0.1) and r["high"] == pytest.approx(0.1)
-    with pytest.raises(ValueError, match="same units"):
-        paired_difference([1, 2], [1])
-
-
-def test_seeded():
-    x = np.random.default_rng(3).random(30)
-    assert bootstrap_mean(x, seed=5) == bootstrap_mean(x, seed=5)
+@pytest.mark.parametrize("p, n", [(-0.1, 5), (1.5, 5), (0.5, -1)])
+def test_wilson_rejects_bad_input(p, n):
+    with pytest.raises(ValueError):
+        wilson_interval(p, n)

@@ -107,7 +107,10 @@ def test_artifact_dataset_input_has_its_s3_source(cfg, client, s3_env):
     (logged,) = client.get_run(stage.run_id).inputs.dataset_inputs
     assert logged.dataset.name == "prompts"
     assert json.loads(logged.dataset.source)["uri"] == uri
-    assert logged.dataset.digest == hashlib.sha256(store.read_bytes(uri)).hexdigest()[:16]
+    # the URI is part of the identity: the same bytes at another URI are another dataset
+    assert (
+        logged.dataset.digest == hashlib.sha256(uri.encode() + b"\0" + store.read_bytes(uri)).hexdigest()[:16]
+    )
     tags = {t.key: t.value for t in logged.tags}
     assert tags["mlflow.data.context"] == "input" and tags["kind"] == "prompts"
     assert json.loads(logged.dataset.profile)["num_rows"] == len(PROMPTS)
@@ -127,6 +130,8 @@ def test_checkpoint_is_a_logged_model_pointing_at_its_uri(cfg, client):
     assert model.tags["uri"] == ckpt and model.tags[tracking.PIPELINE_TAG] == "model-run"
     assert model.params == {"round": "1", "base": "tiny-random"}
     assert {(m.key, m.value) for m in model.metrics} == {("policy/accuracy", 0.75)}
+    # ... and it is the training run's model output
+    assert [m.model_id for m in client.get_run(stage.run_id).outputs.model_outputs] == [model_id]
 
 
 def test_plots_go_through_the_artifact_proxy_into_the_bucket(

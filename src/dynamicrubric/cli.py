@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import NoReturn
 
+from dynamicrubric import logs
 from dynamicrubric.artifacts import KIND_KEY, ArtifactError
 from dynamicrubric.config import ConfigError
 from dynamicrubric.launch import LaunchError
@@ -95,6 +96,9 @@ def _preflight(*uris: str) -> None:
 def cmd_rollout(args: argparse.Namespace) -> int:
     from dynamicrubric.rollout import run_rollout
 
+    if args.from_run:
+        return _print_counts("rollout", _rerun("rollout", args))
+    _require(args, "prompts")
     _check_shard(args)
     cfg = _config(args)
     _preflight(args.out)
@@ -113,10 +117,13 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 def cmd_rubrics(args: argparse.Namespace) -> int:
     from dynamicrubric.rubrics import run_rubrics
 
+    if args.from_run:
+        return _print_counts("rubrics", _rerun("rubrics", args))
+    _require(args, "candidate_sets")
     cfg = _config(args)
     _preflight(args.out)
     counts = run_rubrics(
-        args.rollouts,
+        args.candidate_sets,
         args.out,
         cfg,
         generator=args.generator,
@@ -130,27 +137,83 @@ def cmd_rubrics(args: argparse.Namespace) -> int:
 def cmd_judge(args: argparse.Namespace) -> int:
     from dynamicrubric.judge import run_judge
 
+    if args.from_run:
+        return _print_counts("judge", _rerun("judge", args))
+    _require(args, "candidate_sets")
     cfg = _config(args)
     _preflight(args.out)
-    counts = run_judge(args.rollouts, args.out, cfg, rubrics_uri=args.rubrics, verifier=args.verifier)
+    counts = run_judge(args.candidate_sets, args.out, cfg, rubrics_uri=args.rubrics, verifier=args.verifier)
     return _print_counts("judge", counts)
 
 
+# Options a --from-run rerun takes from the run instead (given with it, they would be ignored).
+FROM_RUN_CONFLICTS = (
+    "prompts",
+    "candidate_sets",
+    "rubrics",
+    "policy",
+    "generator",
+    "verifier",
+    "seed",
+    "samples",
+    "variant",
+    "config",
+    "preset",
+)
+
+
+def _from_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--from-run",
+        metavar="RUN_ID",
+        help="rerun a task of a finished pipeline run: the MLflow run id of the task (or, with --from-task, "
+        "of the pipeline run); config, seed, samples, model references and inputs come from MLflow",
+    )
+    p.add_argument(
+        "--from-task", metavar="ROUND/NAME", help="with --from-run PIPELINE_RUN_ID: e.g. 1/generator-judge-0"
+    )
+    p.add_argument(
+        "--tracking-uri",
+        metavar="URI",
+        help="MLflow to read the run from (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)",
+    )
+
+
+def _require(args: argparse.Namespace, *names: str) -> None:
+    missing = ["--" + n.replace("_", "-") for n in names if getattr(args, n, None) is None]
+    if missing:
+        raise SystemExit(f"error: {', '.join(missing)} required (or rerun a task with --from-run)")
+
+
+def _rerun(stage: str, args: argparse.Namespace) -> dict:
+    import os
+
+    from dynamicrubric.rerun import rerun
+
+    given = [
+        "--" + n.replace("_", "-") for n in FROM_RUN_CONFLICTS if getattr(args, n, None) not in (None, False)
+    ]
+    if given:
+        raise SystemExit(f"error: --from-run takes {', '.join(given)} from the run; leave them out")
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        uri = "sqlite:///" + os.path.abspath(uri.removeprefix("sqlite:///"))
+    return rerun(stage, uri, args.from_run, args.from_task, args.out)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    from dynamicrubric.launch import format_table, round_table, run_local
-    from dynamicrubric.tracking import tracking_uri
+    from dynamicrubric.launch import report, run_local
+    from dynamicrubric.pipelines.co_evolution import task_count
 
     cfg = _config_with_rounds(args)
     print(
-        f"dynrubric run: preset {cfg.preset}, {cfg.pipeline.rounds} round(s), pipeline root {cfg.pipeline.pipeline_root}"
+        f"dynrubric run: preset {cfg.preset}, {cfg.pipeline.rounds} round(s), {task_count(cfg)} tasks, "
+        f"pipeline root {cfg.pipeline.pipeline_root}; a line per task as it ends "
+        f"(its full output: task.log in its folder{'' if args.verbose else ', or --verbose'})",
+        flush=True,
     )
-    parent = run_local(cfg)
-    # Written directly: kfp.local's parallel workers can leave builtins.print swapped for an indenting one.
-    summary = "\n" + format_table(round_table(cfg, parent)) + "\n"
-    uri = tracking_uri(cfg)
-    if uri:
-        summary += f"\nMLflow parent run {parent}. Open the UI with:\n  mlflow ui --backend-store-uri {uri}\n"
-    sys.stdout.write(summary)
+    result = run_local(cfg, verbose=args.verbose, fresh=args.fresh)
+    sys.stdout.write(report(cfg, result))
     return 0
 
 
@@ -219,7 +282,7 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
         args.round,
         args.label,
         args.judgments,
-        args.rollouts,
+        args.candidate_sets,
         args.rubrics or [],
         args.anchors or [],
         args.out_scores,
@@ -308,7 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dynrubric",
         description="DynamicRubric: evaluator-policy co-evolution for LLM post-training, on Kubeflow Pipelines.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="debug logging; `run` also shows every task's own output"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(
@@ -330,6 +395,12 @@ def build_parser() -> argparse.ArgumentParser:
         sub, "run", "run the whole co-evolution pipeline locally (kfp.local, MLflow in sqlite)", cmd_run
     )
     p.add_argument("--rounds", type=int, help="override pipeline.rounds")
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="run every task again under a new run name (by default a rerun of the same config is "
+        "taken from the cache)",
+    )
     p = _stage_parser(sub, "compile", "compile the pipeline to a KFP YAML package", cmd_compile)
     p.add_argument("--out", required=True, metavar="FILE")
     p.add_argument("--rounds", type=int, help="override pipeline.rounds")
@@ -345,8 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     stages = stage.add_subparsers(dest="stage", required=True, metavar="NAME")
 
     p = _stage_parser(stages, "rollout", "the policy samples K responses per prompt", cmd_rollout)
-    p.add_argument("--prompts", required=True, metavar="URI", help="prompts artifact")
+    p.add_argument("--prompts", metavar="URI", help="prompts artifact (required without --from-run)")
     p.add_argument("--out", required=True, metavar="URI", help="rollouts artifact to write")
+    _from_run_options(p)
     p.add_argument("--policy", help="policy model reference (default: models.policy)")
     p.add_argument("--seed", type=int, help="sampling seed (default: the config's seed)")
     p.add_argument("--shard", type=int, default=0, help="this shard's index")
@@ -355,8 +427,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = _stage_parser(
         stages, "rubrics", "the generator writes weighted rubric items per candidate set", cmd_rubrics
     )
-    p.add_argument("--rollouts", required=True, metavar="URI", help="rollouts artifact (the candidate sets)")
+    p.add_argument(
+        "--candidate-sets",
+        metavar="URI",
+        help="candidate sets (a rollouts artifact); required without --from-run",
+    )
     p.add_argument("--out", required=True, metavar="URI", help="rubrics artifact to write")
+    _from_run_options(p)
     p.add_argument("--generator", help="generator model reference (default: models.generator)")
     p.add_argument(
         "--samples", type=int, help="rubric samples G per candidate set (default: rubrics.samples)"
@@ -365,9 +442,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="sampling seed (default: the config's seed)")
 
     p = _stage_parser(stages, "judge", "the verifier answers yes/no per rubric item and response", cmd_judge)
-    p.add_argument("--rollouts", required=True, metavar="URI", help="rollouts artifact")
+    p.add_argument(
+        "--candidate-sets",
+        metavar="URI",
+        help="candidate sets (a rollouts artifact); required without --from-run",
+    )
     p.add_argument("--rubrics", metavar="URI", help="rubrics artifact; omit for the pointwise judge")
     p.add_argument("--out", required=True, metavar="URI", help="judgments artifact to write")
+    _from_run_options(p)
     p.add_argument("--verifier", help="verifier model reference (default: models.verifier)")
 
     p = _stage_parser(
@@ -390,7 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _stage_parser(stages, "aggregate", "scores, generator rewards and signal diagnostics", cmd_aggregate)
     p.add_argument("--judgments", required=True, nargs="+", metavar="URI", help="judgments (one per shard)")
-    p.add_argument("--rollouts", required=True, nargs="+", metavar="URI", help="the judged candidate sets")
+    p.add_argument(
+        "--candidate-sets", required=True, nargs="+", metavar="URI", help="the judged candidate sets"
+    )
     p.add_argument("--rubrics", nargs="+", metavar="URI", help="rubrics (omit for the pointwise judge)")
     p.add_argument(
         "--anchors", nargs="+", metavar="URI", help="reference rankings (for R_anchor and the gap)"
@@ -454,9 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
-    )
+    logs.setup(args.verbose)
     try:
         return args.func(args)
     except KeyboardInterrupt:

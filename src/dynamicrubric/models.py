@@ -14,12 +14,13 @@ A reference is one of:
   marker), fetched once into `cache_dir()`: how pipeline tasks on a cluster read base weights that
   the pipeline's first task staged (`stage_models`), instead of each task downloading from the hub.
 
-Builds are atomic (a temporary folder renamed into place), so concurrent processes that prepare
-the same model are safe: one rename wins and the others discard their copy.
+Builds are atomic (a temporary folder renamed into place) and serialised by a file lock in the
+cache, so concurrent processes that prepare the same model build it once and the others wait.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -87,6 +88,20 @@ def resolve_model(ref: str) -> Path:
             "and not a hub id of the form owner/name"
         )
     return _from_hub(ref)
+
+
+def model_reference(ref: str) -> str:
+    """The reference an artifact stores for the model it came from, the same however it was typed: a
+    local folder as its absolute path (a pod's mounted /s3/b/k as s3://b/k, the URI a rerun would
+    name), a built-in name or hub id as it is."""
+    from dynamicrubric.tracking import POD_PREFIXES, artifact_uri
+
+    if ref in BUILTIN_MODELS:  # resolve_model reads these as built-in names, whatever folders exist here
+        return ref
+    if ref.startswith(tuple(POD_PREFIXES)) or "://" in ref:
+        return artifact_uri(ref)
+    path = Path(ref).expanduser()
+    return str(path.resolve()) if path.exists() else ref
 
 
 def _from_hub(repo_id: str) -> Path:
@@ -211,16 +226,26 @@ def prepare_model(name: str) -> Path:
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=final.parent))
+    # One builder at a time per cache (parallel shards would each spend ~40 s building SmolLM2): the
+    # others wait on the lock and then find the folder. The lock is on the cache folder itself, so
+    # nothing is left behind; the rename below keeps a crash mid-build safe.
+    lock = os.open(final.parent, os.O_RDONLY)
     try:
-        builders[name](tmp)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / "config.json").is_file():
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=final.parent))
         try:
-            os.rename(tmp, final)  # atomic; fails if another process finished first
-        except OSError:
-            if not (final / "config.json").is_file():
-                raise
+            builders[name](tmp)
+            try:
+                os.rename(tmp, final)  # atomic; fails if another process finished first
+            except OSError:
+                if not (final / "config.json").is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(lock)  # releases the lock
     return final
 
 

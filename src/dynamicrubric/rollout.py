@@ -13,6 +13,7 @@ import pandas as pd
 from dynamicrubric.artifacts import read_frame, write_artifact
 from dynamicrubric.config import Config
 from dynamicrubric.engines import Engine, load_engine
+from dynamicrubric.models import model_reference
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,8 @@ def run_rollout(
     if prompts.empty:
         raise ValueError(f"{prompts_uri}: shard {shard} of {num_shards} holds no prompts")
     engine = engine or load_engine(policy, cfg.engine)
-    rollouts = sample_rollouts(engine, prompts, cfg, seed=seed, policy=policy)
+    # the stored reference is normalised: a relative path and its absolute form give the same bytes
+    rollouts = sample_rollouts(engine, prompts, cfg, seed=seed, policy=model_reference(policy))
     write_artifact(out_uri, "rollouts", rollouts)
     counts = {
         "prompts": len(prompts),

@@ -21,6 +21,7 @@ import pandas as pd
 from dynamicrubric.artifacts import read_frame, write_artifact
 from dynamicrubric.config import Config
 from dynamicrubric.engines import Engine, load_engine
+from dynamicrubric.models import model_reference
 from dynamicrubric.prompts import (
     ParsedRubric,
     dynamic_rubric_prompt,
@@ -135,6 +136,7 @@ def run_rubrics(
         desc=f"rubrics ({variant})",
         rubric_items=rc.num_items if rc.constrained else None,
     )
+    reference = model_reference(generator)  # stored normalised: the bytes do not depend on how it was typed
     rows = []
     for request, gen in zip(requests.itertuples(), generations, strict=True):
         rows += rubric_rows(
@@ -143,7 +145,7 @@ def run_rubrics(
             gen.texts,
             gen.finish_reasons,
             variant=variant,
-            generator=generator,
+            generator=reference,
             num_items=rc.num_items,
             constrained=rc.constrained,
         )

@@ -7,20 +7,20 @@ task can be run and tested without KFP, and `dynrubric stage NAME` reruns the sa
 
 from __future__ import annotations
 
-import logging
 import tempfile
 import time
 from pathlib import Path
 
 import pandas as pd
 
-from dynamicrubric import store, tracking
+from dynamicrubric import logs, store, tracking
 from dynamicrubric.artifacts import empty_table, read_frame, read_frames, write_artifact
 from dynamicrubric.config import Config, config_from_yaml
+from dynamicrubric.models import model_reference
 
 
 def _setup(config_yaml: str) -> Config:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logs.setup()
     return config_from_yaml(config_yaml)
 
 
@@ -116,7 +116,9 @@ def rollout(
     counts = run_rollout(prompts, out, cfg, policy=policy, seed=seed, shard=shard, num_shards=num_shards)
     with tracking.stage_run(cfg, run_name, round_idx, f"{label}-rollout-{shard}", started=started) as run:
         if run:
-            run.log_params({"policy": policy, "seed": seed, "shard": shard, "num_shards": num_shards})
+            run.log_params(
+                {"policy": model_reference(policy), "seed": seed, "shard": shard, "num_shards": num_shards}
+            )
             run.log_artifact_dataset(prompts, "prompts", "input")
             run.log_artifact_dataset(out, "rollouts", "output")
             run.log_metrics(counts)
@@ -186,6 +188,7 @@ def candidates(
         if run:
             run.log_params({"shard": shard, "num_shards": num_shards})
             run.log_artifact_dataset(rollouts, "rollouts", "input")
+            run.log_artifact_dataset(prompts, "prompts", "input")  # their answers rank the rollouts
             run.log_artifact_dataset(anchor_lists, "anchors", "input")
             run.log_artifact_dataset(out_candidates, "rollouts", "output")
             run.log_artifact_dataset(out_anchors, "anchors", "output")
@@ -213,7 +216,9 @@ def rubrics(
     counts = run_rubrics(candidates, out, cfg, generator=generator, samples=samples, seed=seed)
     with tracking.stage_run(cfg, run_name, round_idx, f"{label}-rubrics-{shard}", started=started) as run:
         if run:
-            run.log_params({"generator": generator, "samples": samples, "seed": seed, "shard": shard})
+            run.log_params(
+                {"generator": model_reference(generator), "samples": samples, "seed": seed, "shard": shard}
+            )
             run.log_artifact_dataset(candidates, "rollouts", "input")
             run.log_artifact_dataset(out, "rubrics", "output")
             run.log_metrics(counts)
@@ -239,7 +244,7 @@ def judge(
     counts = run_judge(candidates, out, cfg, rubrics_uri=rubrics or None, verifier=verifier)
     with tracking.stage_run(cfg, run_name, round_idx, f"{label}-judge-{shard}", started=started) as run:
         if run:
-            run.log_params({"verifier": verifier, "shard": shard})
+            run.log_params({"verifier": model_reference(verifier), "shard": shard})
             run.log_artifact_dataset(candidates, "rollouts", "input")
             if rubrics:
                 run.log_artifact_dataset(rubrics, "rubrics", "input")
@@ -306,6 +311,7 @@ def aggregate(
                 (out_scores, "scores"),
                 (out_rewards, "rewards"),
                 (out_diagnostics, "diagnostics"),
+                (out_metrics, "metrics"),
             ]:
                 run.log_artifact_dataset(uri, kind, "output")
             run.log_metrics(overall)
@@ -344,11 +350,12 @@ def train_evaluator(
     )
     with tracking.stage_run(cfg, run_name, round_idx, "train_evaluator", started=started) as run:
         if run:
-            run.log_params({"generator": generator, "verifier": verifier})
+            run.log_params({"generator": model_reference(generator), "verifier": model_reference(verifier)})
             for uri in candidate_sets:
                 run.log_artifact_dataset(uri, "rollouts", "input")
             for uri in anchors:
                 run.log_artifact_dataset(uri, "anchors", "input")
+            run.log_artifact_dataset(out_metrics, "metrics", "output")
             run.log_metrics_table(out_metrics)
             run.log_model(run_name, f"generator-round-{round_idx}", out_model, {"base": generator})
     return result
@@ -386,11 +393,35 @@ def train_policy(
     )
     with tracking.stage_run(cfg, run_name, round_idx, "train_policy", started=started) as run:
         if run:
-            run.log_params({"policy": policy, "generator": generator, "verifier": verifier})
+            run.log_params(
+                {
+                    "policy": model_reference(policy),
+                    "generator": model_reference(generator),
+                    "verifier": model_reference(verifier),
+                }
+            )
             run.log_artifact_dataset(prompts, "prompts", "input")
+            run.log_artifact_dataset(out_metrics, "metrics", "output")
             run.log_metrics_table(out_metrics)
             run.log_model(run_name, f"policy-round-{round_idx}", out_model, {"base": policy})
     return result
+
+
+# Evaluator variants whose rubrics the generator writes (the pointwise judge uses the verifier alone).
+GENERATOR_VARIANTS = ("dynamic", "static")
+
+
+def metrics_by_role(result: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Evaluate's metrics split by the model they describe: `policy/*` belong to the policy checkpoint,
+    the generator-written variants' (`dynamic/*`, `static/*`) to the generator checkpoint."""
+    by_role: dict[str, dict[str, float]] = {"policy": {}, "generator": {}}
+    for key, value in result.items():
+        variant = key.split("/", 1)[0]
+        if variant == "policy":
+            by_role["policy"][key] = value
+        elif variant in GENERATOR_VARIANTS:
+            by_role["generator"][key] = value
+    return by_role
 
 
 def evaluate(
@@ -427,17 +458,20 @@ def evaluate(
     with tracking.stage_run(cfg, run_name, round_idx, "evaluate", started=started) as run:
         if run:
             params = {
-                "policy": policy,
-                "generator": generator,
-                "verifier": verifier,
-                "previous": previous_policy,
+                "policy": model_reference(policy),
+                "generator": model_reference(generator),
+                "verifier": model_reference(verifier),
+                "previous": model_reference(previous_policy) if previous_policy else "",
             }
             run.log_params(params)
             run.log_artifact_dataset(eval_prompts, "prompts", "input")
+            run.log_artifact_dataset(out_metrics, "metrics", "output")
             run.log_metrics_table(out_metrics)
             run.log_dir(out_plots, f"plots/round-{round_idx}")
-            for name in (f"policy-round-{round_idx}", f"generator-round-{round_idx}"):
-                model_id = run.find_model(run_name, name)
-                if model_id:  # link the checkpoint to the numbers it earned
-                    run.log_model_metrics(model_id, result)
+            for role, metrics in metrics_by_role(result).items():
+                model_id = run.find_model(run_name, f"{role}-round-{round_idx}")
+                if model_id:  # link each checkpoint to the numbers about its own role
+                    run.log_model_metrics(model_id, metrics)
+            # the task's log line (these are logged above, per step, by log_metrics_table)
+            run.summary.update({k: result[k] for k in ("policy/accuracy", "policy/win_rate") if k in result})
     return result

@@ -52,13 +52,27 @@ def _mlflow(cfg: Config):
     return mlflow
 
 
+# Where a KFP launcher mounts an object-store URI inside a pod: s3://b/k is read and written as /s3/b/k.
+POD_PREFIXES = {"/s3/": "s3://", "/minio/": "s3://", "/gcs/": "gs://"}
+
+
+def artifact_uri(path_or_uri: str) -> str:
+    """The artifact's own URI for what a component sees: pod paths (/s3/b/k, /minio/b/k, /gcs/b/k) map
+    back to s3:// or gs:// URIs, minio:// becomes s3:// (MLflow rejects minio://), a local path becomes
+    absolute; other URIs are returned as they are."""
+    for prefix, scheme in POD_PREFIXES.items():
+        if path_or_uri.startswith(prefix):
+            return scheme + path_or_uri.removeprefix(prefix)
+    if path_or_uri.startswith("minio://"):
+        return "s3://" + path_or_uri.removeprefix("minio://")
+    if "://" not in path_or_uri:
+        return str(Path(path_or_uri).resolve())
+    return path_or_uri
+
+
 def mlflow_source(uri: str) -> str:
-    """MLflow rejects minio:// sources and wants absolute local paths."""
-    if uri.startswith("minio://"):
-        return "s3://" + uri.removeprefix("minio://")
-    if "://" not in uri:
-        return str(Path(uri).resolve())
-    return uri
+    """The source MLflow records for an artifact (see artifact_uri)."""
+    return artifact_uri(uri)
 
 
 def start_pipeline_run(cfg: Config, run_name: str, rounds: int) -> str:
@@ -99,6 +113,7 @@ class StageRun:
     def __init__(self, mlflow, run_id: str):
         self.mlflow = mlflow
         self.run_id = run_id
+        self.summary: dict[str, float] = {}  # the numbers of log_metrics, for the task's one log line
 
     def log_artifact_dataset(self, uri: str, kind: str, context: str) -> None:
         """Record an artifact as an MLflow dataset input ('input' or 'output') whose source is its URI."""
@@ -106,21 +121,29 @@ class StageRun:
         from dynamicrubric.store import read_bytes
 
         frame = read_frame(uri, kind)
-        digest = hashlib.sha256(read_bytes(uri)).hexdigest()[:16]
-        with warnings.catch_warnings():  # schema inference warns about int columns on every call
+        source = mlflow_source(uri)
+        # MLflow keeps one dataset per (name, digest) in an experiment and shows the first source it
+        # saw: the URI is part of the digest, so a byte-identical copy at another URI (a task that
+        # passes its input through) is a dataset of its own with its own source.
+        digest = hashlib.sha256(source.encode() + b"\0" + read_bytes(uri)).hexdigest()[:16]
+        tags = {"kind": kind, "uri": source}
+        # Schema inference warns about int columns when the dataset is built and again when it is
+        # logged (its profile and schema are computed lazily): both stay inside the filter.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*[Ii]nferred schema.*")
             warnings.simplefilter("ignore", UserWarning)
-            dataset = self.mlflow.data.from_pandas(frame, source=mlflow_source(uri), name=kind, digest=digest)
-        tags = {"kind": kind, "uri": mlflow_source(uri)}
-        try:
-            self.mlflow.log_input(dataset, context=context, tags=tags)
-        except self.mlflow.exceptions.MlflowException as e:
-            # Two shards logging the same input at once race on MLflow's check-then-insert of the
-            # dataset row (UNIQUE constraint on a SQL store); the row exists now, so once more finds it.
-            message = str(e).lower()  # sqlite: "UNIQUE constraint failed"; postgres: "duplicate key value"
-            if "unique constraint" not in message and "duplicate" not in message:
-                raise
-            log.info("MLflow: dataset %s was logged concurrently; retrying", uri)
-            self.mlflow.log_input(dataset, context=context, tags=tags)
+            dataset = self.mlflow.data.from_pandas(frame, source=source, name=kind, digest=digest)
+            try:
+                self.mlflow.log_input(dataset, context=context, tags=tags)
+            except self.mlflow.exceptions.MlflowException as e:
+                # Two shards logging the same input at once race on MLflow's check-then-insert of the
+                # dataset row (UNIQUE constraint on a SQL store); the row exists now, so once more finds it.
+                # sqlite: "UNIQUE constraint failed"; postgres: "duplicate key value"
+                message = str(e).lower()
+                if "unique constraint" not in message and "duplicate" not in message:
+                    raise
+                log.info("MLflow: dataset %s was logged concurrently; retrying", uri)
+                self.mlflow.log_input(dataset, context=context, tags=tags)
 
     def log_params(self, params: dict[str, object]) -> None:
         """The stage's inputs that are not artifacts (model references, seeds, shard), to rerun it."""
@@ -132,6 +155,8 @@ class StageRun:
         }
         if numeric:
             self.mlflow.log_metrics(numeric, step=step)
+            if step is None:
+                self.summary.update(numeric)
 
     def log_metrics_table(self, uri: str) -> None:
         """Log a `metrics` artifact: per-step rows with their step, the rest at step 0."""
@@ -143,12 +168,18 @@ class StageRun:
             self.mlflow.log_metric(key, row.value, step=int(row.step))
 
     def log_model(self, run_name: str, name: str, uri: str, params: dict[str, str] | None = None) -> str:
-        """An external LoggedModel pointing at a checkpoint's URI; returns its model id."""
+        """An external LoggedModel pointing at a checkpoint's URI, listed in this run's model outputs;
+        returns its model id."""
+        from mlflow.entities import LoggedModelOutput
+
         model = self.mlflow.create_external_model(
             name=name,
             source_run_id=self.run_id,
             params={k: str(v) for k, v in (params or {}).items()},
             tags={"uri": mlflow_source(uri), PIPELINE_TAG: run_name},
+        )
+        self.mlflow.MlflowClient().log_outputs(
+            self.run_id, models=[LoggedModelOutput(model.model_id, step=0)]
         )
         return model.model_id
 
@@ -214,13 +245,21 @@ def stage_run(
 ) -> Iterator[StageRun | None]:
     """A run for one stage task, nested under its round's run (or the parent for round 0).
 
+    `stage` is spelled as the CLI spells it (train_policy → train-policy). On leaving, the numbers
+    given to log_metrics and the stage's time are printed as the task's one summary line (logs.py).
+
     Stages open their run once the work is done (a failed stage leaves no half-logged run), so the
     run's own start and end times do not cover the work: `started`, the stage's time.perf_counter()
     when it began, is logged as the metric `stage_wall_s` (model loading included; process start
     and imports, about 4 s a task, are not).
     """
+    from dynamicrubric import logs
+
+    stage = stage.replace("_", "-")
     if not run_name or not tracking_uri(cfg):
         yield None
+        if started is not None:
+            logs.emit_summary({"time_s": round(time.perf_counter() - started, 1)})
         return
     parent_run_id = find_pipeline_run(cfg, run_name)
     if parent_run_id is None:
@@ -243,6 +282,11 @@ def stage_run(
         parent_run_id=nest_under,
         tags={STAGE_TAG: stage, ROUND_TAG: str(round_idx)},
     ) as run:
-        yield StageRun(mlflow, run.info.run_id)
+        stage_run = StageRun(mlflow, run.info.run_id)
+        yield stage_run
+        summary = dict(stage_run.summary)
         if started is not None:
-            mlflow.log_metric("stage_wall_s", time.perf_counter() - started)
+            wall = time.perf_counter() - started
+            mlflow.log_metric("stage_wall_s", wall)
+            summary = {"time_s": round(wall, 1), **summary}
+    logs.emit_summary(summary)

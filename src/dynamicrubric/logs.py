@@ -1,0 +1,62 @@
+"""One log format for every process, and the one-line task summary a stage hands to `dynrubric run`.
+
+`dynrubric run` shows one line per pipeline task. Each task runs in its own process (kfp.local), so a
+stage prints its key numbers as one marked line on stdout (`emit_summary`); the launcher keeps the
+task's whole output in a log file and shows that marked line alone (see launch.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+DATEFMT = "%H:%M:%S"
+SUMMARY_MARK = "::dynrubric-summary::"
+SUMMARY_ENV = "DYNRUBRIC_TASK_SUMMARY"  # set by `dynrubric run` for its tasks: only they print the line
+
+
+def setup(verbose: bool = False) -> None:
+    """Configure the root logger: our format on its handlers, and the level."""
+    level = logging.DEBUG if verbose else logging.INFO
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(level=level, format=FORMAT, datefmt=DATEFMT)
+    else:  # e.g. the KFP executor's own handler in a task process: our format for what follows
+        for handler in root.handlers:
+            handler.setFormatter(logging.Formatter(FORMAT, DATEFMT))
+    root.setLevel(level)
+
+
+def emit_summary(numbers: dict[str, object]) -> None:
+    """Print a stage's key numbers as one marked line (finite numbers only, at most 8 of them), when
+    the process is a task of `dynrubric run` (elsewhere the line would only be noise)."""
+    if not os.environ.get(SUMMARY_ENV):
+        return
+    finite = {
+        k: v
+        for k, v in numbers.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    }
+    keep = dict(list(finite.items())[:8])
+    sys.stdout.write(SUMMARY_MARK + json.dumps(keep) + "\n")
+    sys.stdout.flush()
+
+
+def parse_summary(line: str) -> dict[str, float] | None:
+    """The numbers of a line written by `emit_summary`, or None for any other line."""
+    text = line.strip()
+    if not text.startswith(SUMMARY_MARK):
+        return None
+    try:
+        numbers = json.loads(text.removeprefix(SUMMARY_MARK))
+    except ValueError:
+        return None
+    return numbers if isinstance(numbers, dict) else None
+
+
+def format_numbers(numbers: dict[str, float]) -> str:
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in numbers.items())

@@ -1,0 +1,166 @@
+"""Rerun one task of a finished pipeline run from what MLflow recorded about it.
+
+`dynrubric stage NAME --from-run RUN_ID [--from-task ROUND/TASK] --out URI` takes everything from the
+run: the pipeline's config (the parent run's `config.yaml`), the task's parameters (model references,
+seed, samples, shard) and its input artifacts (dataset inputs, by their `uri` tag), and calls the same
+step function the pipeline's component called. Written to a new place, the output is byte-identical
+to the pipeline's.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from dynamicrubric import steps, tracking
+from dynamicrubric.launch import LaunchError
+
+
+class RerunError(LaunchError):
+    """A run or task that cannot be rerun as asked; one line, names the run."""
+
+
+def _client(tracking_uri: str):
+    import mlflow
+
+    return mlflow.MlflowClient(tracking_uri=tracking_uri)
+
+
+def find_stage_run(tracking_uri: str, run_id: str, task: str | None = None):
+    """The MLflow run of one stage task: `run_id` itself, or with `task` ("ROUND/NAME", e.g.
+    "1/generator-judge-0") the task of that name under the pipeline run `run_id`."""
+    from mlflow.exceptions import MlflowException
+
+    client = _client(tracking_uri)
+    try:
+        run = client.get_run(run_id)
+    except MlflowException as e:
+        raise RerunError(f"--from-run {run_id}: no such MLflow run in {tracking_uri}") from e
+    stage = run.data.tags.get(tracking.STAGE_TAG)
+    if task is None:
+        if stage in (None, "pipeline"):
+            raise RerunError(
+                f"--from-run {run_id} is not a stage's run; name the task with --from-task ROUND/NAME "
+                "(e.g. 1/generator-judge-0)"
+            )
+        return run
+    round_text, _, name = task.partition("/")
+    if not round_text.isdigit() or not name:
+        raise RerunError(f"--from-task {task!r}: expected ROUND/NAME, e.g. 1/generator-judge-0")
+    pipeline = _pipeline_run(client, run)
+    experiment = pipeline.info.experiment_id
+    candidates = [pipeline.info.run_id]
+    candidates += [
+        r.info.run_id
+        for r in client.search_runs(
+            [experiment],
+            filter_string=f"tags.mlflow.parentRunId = '{pipeline.info.run_id}'",
+            max_results=5000,
+        )
+        if r.data.tags.get(tracking.ROUND_TAG) == round_text and tracking.STAGE_TAG not in r.data.tags
+    ]
+    for parent in candidates:
+        found = client.search_runs(
+            [experiment],
+            filter_string=f"tags.mlflow.parentRunId = '{parent}' and tags.`{tracking.STAGE_TAG}` = '{name}' "
+            f"and tags.`{tracking.ROUND_TAG}` = '{round_text}'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
+        if found:
+            return client.get_run(found[0].info.run_id)
+    raise RerunError(f"--from-task {task}: pipeline run {pipeline.info.run_id} has no such task")
+
+
+def _pipeline_run(client, run):
+    """The pipeline (parent) run above `run`, or `run` itself."""
+    seen = 0
+    while run.data.tags.get(tracking.STAGE_TAG) != "pipeline":
+        parent = run.data.tags.get("mlflow.parentRunId")
+        seen += 1
+        if not parent or seen > 5:
+            raise RerunError(f"run {run.info.run_id} does not belong to a dynrubric pipeline run")
+        run = client.get_run(parent)
+    return run
+
+
+def pipeline_config(tracking_uri: str, run) -> str:
+    """The config YAML the pipeline ran with (logged by start_tracking as `config.yaml`)."""
+    client = _client(tracking_uri)
+    pipeline = _pipeline_run(client, run)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = client.download_artifacts(pipeline.info.run_id, "config.yaml", tmp)
+        except Exception as e:  # MLflow raises several types for a missing artifact
+            raise RerunError(f"pipeline run {pipeline.info.run_id} has no config.yaml artifact") from e
+        return Path(path).read_text()
+
+
+def inputs_by_kind(run) -> dict[str, list[str]]:
+    """The task's input artifacts by kind (rollouts, rubrics, ...), as the URIs it logged."""
+    found: dict[str, list[str]] = {}
+    for d in run.inputs.dataset_inputs:
+        tags = {t.key: t.value for t in d.tags}
+        if tags.get("mlflow.data.context") == "input":
+            found.setdefault(tags.get("kind", d.dataset.name), []).append(tags["uri"])
+    return found
+
+
+def rerun(stage: str, tracking_uri: str, run_id: str, task: str | None, out: str) -> dict:
+    """Rerun task `stage` (rollout, rubrics or judge) of a pipeline run into `out`; return its counts."""
+    run = find_stage_run(tracking_uri, run_id, task)
+    name = run.data.tags[tracking.STAGE_TAG]  # "<label>-<stage>-<shard>"
+    label, _, rest = name.partition("-")
+    if not rest.startswith(stage + "-"):
+        raise RerunError(f"run {run.info.run_id} is task {name!r}, not a {stage} task")
+    round_idx = int(run.data.tags[tracking.ROUND_TAG])
+    params = run.data.params
+    inputs = inputs_by_kind(run)
+    config_yaml = pipeline_config(tracking_uri, run)
+
+    def one(kind: str) -> str:
+        uris = inputs.get(kind, [])
+        if len(uris) != 1:
+            raise RerunError(f"run {run.info.run_id} ({name}) logged {len(uris)} {kind} inputs, expected one")
+        return uris[0]
+
+    if stage == "rollout":
+        return steps.rollout(
+            config_yaml,
+            "",
+            round_idx,
+            label,
+            one("prompts"),
+            out,
+            params["policy"],
+            int(params["shard"]),
+            int(params["num_shards"]),
+            int(params["seed"]),
+        )
+    if stage == "rubrics":
+        return steps.rubrics(
+            config_yaml,
+            "",
+            round_idx,
+            label,
+            one("rollouts"),
+            out,
+            params["generator"],
+            int(params["samples"]),
+            int(params["shard"]),
+            int(params["seed"]),
+        )
+    if stage == "judge":
+        rubrics = one("rubrics") if "rubrics" in inputs else ""
+        return steps.judge(
+            config_yaml,
+            "",
+            round_idx,
+            label,
+            one("rollouts"),
+            rubrics,
+            out,
+            params["verifier"],
+            int(params["shard"]),
+        )
+    raise RerunError(f"--from-run reruns rollout, rubrics and judge tasks; not {stage!r}")

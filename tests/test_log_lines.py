@@ -1,0 +1,121 @@
+"""A tiny `dynrubric run` at the default level prints one line per task, the progress bars and the
+final report, and nothing else; a rerun of the same config says that it was all cached."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from dynamicrubric.launch import PROGRESS_LINE
+from dynamicrubric.pipelines.co_evolution import task_count
+
+TASK_LINE = re.compile(r"^\d\d:\d\d:\d\d done   (setup|r\d+) .+ +\d+\.\ds\b")
+REPORT_MAX_LINES = 30  # the round table (a line per round), its legend and where things are
+
+
+def _lines(text: str) -> list[str]:
+    # a live progress bar redraws itself with \r; every \r-separated piece counts as its own line here
+    return [piece for line in text.splitlines() for piece in line.split("\r") if piece.strip()]
+
+
+def test_one_line_per_task(tiny_run):
+    cfg = tiny_run["cfg"]
+    lines = _lines(tiny_run["stdout"] + tiny_run["stderr"])
+    progress = [line for line in lines if PROGRESS_LINE.search(line)]
+    other = [line for line in lines if not PROGRESS_LINE.search(line)]
+    assert other[0].startswith("dynrubric run: preset tiny")
+    tasks = [line for line in other if TASK_LINE.match(line)]
+    assert len(tasks) == task_count(cfg) == len(tiny_run["index"]["tasks"])
+    # everything after the task lines is the report; nothing else is printed (no kfp or MLflow chatter)
+    last_task = max(i for i, line in enumerate(other) if TASK_LINE.match(line))
+    assert other[1 : last_task + 1] == tasks, [
+        line for line in other[1:last_task] if not TASK_LINE.match(line)
+    ]
+    report = other[last_task + 1 :]
+    assert len(report) <= REPORT_MAX_LINES, report
+    noise = (
+        "Executor",
+        "executor_input",
+        "WARNING",
+        "Inferred schema",
+        "base image",
+        "de-quantizing",
+        "INFO",
+    )
+    assert not [line for line in other if any(n in line for n in noise)]
+    # every progress line names its task
+    assert all(re.match(r"^(setup|r\d+) ", line.strip()) for line in progress), progress[:5]
+
+
+def test_report_has_legend_sample_sizes_and_where_things_are(tiny_run):
+    out = tiny_run["stdout"]
+    header = next(line for line in out.splitlines() if line.strip().startswith("round"))
+    for column in ("mean_gap", "tie_rate", "uniformity", "evaluator_acc", "policy_acc", "win_rate"):
+        assert column in header
+    rows = [line for line in out.splitlines() if re.match(r"^\s+[12]\s", line)]
+    assert len(rows) == tiny_run["cfg"].pipeline.rounds
+    for row in rows:  # accuracies with their sample size, and a 95% interval for these small n
+        assert re.search(r"\d\.\d{3} \(n=\d+\) \[\d\.\d\d-\d\.\d\d\]", row), row
+    assert "Legend:" in out and "Wilson" in out
+    assert f"Run folder:    {tiny_run['run_folder']}" in out
+    assert str(tiny_run["run_folder"] / "index.json") in out
+    assert "Plots (PNG):" in out and "mlflow ui --backend-store-uri" in out
+
+
+def test_cached_rerun_says_so(tiny_run):
+    proc = subprocess.run(
+        [sys.executable, "-m", "dynamicrubric.cli", "run", "--config", str(tiny_run["config"])],
+        cwd=tiny_run["workdir"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    n = task_count(tiny_run["cfg"])
+    assert f"All {n} tasks were cached: nothing ran" in proc.stdout
+    assert "--fresh" in proc.stdout
+    assert not TASK_LINE.search(proc.stdout)  # no task ran
+
+
+def test_a_failing_task_shows_its_error(tmp_path):
+    """The quiet log must not hide a failure: the task's own error is printed, with its log file."""
+    import yaml
+
+    bad = tmp_path / "anchors.jsonl"
+    bad.write_text('{"prompt": "", "answers": []}\n')  # an empty prompt: prepare-data refuses it
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "preset": "tiny",
+                "data": {"anchors": [str(bad)]},
+                "pipeline": {"pipeline_root": str(tmp_path / "runs"), "rounds": 1, "shards": 1},
+            }
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "dynamicrubric.cli", "run", "--config", str(config)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 1
+    assert "FAILED setup prepare-data" in proc.stderr
+    assert "'prompt' must be non-empty text" in proc.stderr  # the task's own error line
+    assert "task.log" in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the pipeline stopped"), last
+
+
+def test_fresh_takes_a_new_run_name():
+    """--fresh: every task's cache key includes the run name, so a new name reuses nothing."""
+    from dynamicrubric.cli import build_parser
+    from dynamicrubric.config import load_config
+    from dynamicrubric.launch import fresh_run_name
+    from dynamicrubric.pipelines.co_evolution import default_run_name
+
+    cfg = load_config(preset="tiny")
+    assert fresh_run_name(cfg).startswith(default_run_name(cfg) + "-")
+    assert build_parser().parse_args(["run", "--preset", "tiny", "--fresh"]).fresh
