@@ -21,7 +21,7 @@ RUN pip install --no-cache-dir --no-deps --no-build-isolation "setuptools==80.9.
 FROM ${CUDA_IMAGE}
 # Versions that must match gpu-constraints.txt (tests/test_images.py checks it): change them by
 # editing gpu-requirements.txt and recompiling the constraints, not here alone.
-ARG VLLM_VERSION=0.33.0
+ARG VLLM_VERSION=0.31.0
 ARG MLFLOW_VERSION=3.17.2
 # kfp is installed without its dependencies: the component executor needs nothing else.
 ARG KFP_VERSION=2.17.3

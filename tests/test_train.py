@@ -287,3 +287,20 @@ def test_two_cpu_processes_score_whole_groups(tmp_path):
         rollouts = read_frame(str(step / f"rank-{rank}" / "rollouts.parquet"), "rollouts")
         assert rollouts.groupby("prompt_id").size().eq(cfg.rollout.k).all()
     assert store.is_complete(str(tmp_path / "policy"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (vLLM)")
+def test_online_trainers_on_vllm(tmp_path):
+    """The GPU path: the policy generates through TRL's colocated vLLM (sleep mode on), the generator's
+    rubric samples are constrained by vLLM structured outputs, and the reward's generator and verifier
+    are vLLM engines in the same process. Written for the GPU smoke run; no GPU on the dev machines."""
+    cfg = _cfg(engine={"engine": "vllm", "device": "cuda", "gpu_memory_utilization": 0.2})
+    final = _train_policy(cfg, tmp_path / "policy-run")
+    assert store.is_complete(str(tmp_path / "policy-run" / "policy")) and "reward_mean" in final
+    cand, ranked = _candidate_sets(tmp_path, cfg)
+    final = train.launch(
+        "train-evaluator", cfg, candidates=[cand], anchors=[ranked], generator="tiny-random",
+        out_uri=str(tmp_path / "generator"), steps_uri=str(tmp_path / "steps"), round_idx=1,
+    )  # fmt: skip
+    assert final["rubrics/parse_rate"] == 1.0
