@@ -127,3 +127,16 @@ def test_rubric_stage_counts_truncated_and_parses_the_rest(tmp_path, engine: HFE
     thinking = load_config(preset="tiny", overrides={"models": {"enable_thinking": {"generator": True}}})
     with pytest.raises(ValueError, match="enable_thinking.generator"):
         run_rubrics(str(tmp_path / "r.parquet"), str(tmp_path / "u.parquet"), thinking, engine=engine)
+
+
+@pytest.mark.slow
+def test_smollm2_constrained_rubrics_are_valid_json() -> None:
+    """The real generator (vocab 49,152): 8 constrained rubric samples at temperature 0.7, batch 8."""
+    smol = HFEngine("smollm2-135m-instruct", device="cpu", batch_size=8)
+    prompt = smol.chat_prompt(
+        [{"role": "user", "content": "Write a grading rubric for answers to: What is 17 + 25?"}]
+    )
+    gen = smol.generate([prompt], n=8, temperature=0.7, max_new_tokens=448, seed=0, rubric_items=4)[0]
+    complete = [t for t, r in zip(gen.texts, gen.finish_reasons, strict=True) if r == "stop"]
+    assert len(complete) >= 6
+    assert all(_valid(t, 4) and parse_rubric(t, 4).status == "json" for t in complete)
