@@ -4,13 +4,13 @@ At the paper's sizes one judge shard holds about 532k (item, response) questions
 and scores them in bounded chunks (`judge.JUDGE_CHUNK_PAIRS`), renders the chat template once per
 response, and keeps only keys and P(yes) per judgment, so its memory should stay flat as the number of
 judgments grows. Each size runs in a fresh subprocess that reads its input artifacts (K=8 responses
-of ~1,000 characters per prompt, G=4 rubrics of M=6 items: 192 judgments per prompt), runs
-`judge.judge_table` with the tiny-random verifier's real chat template and tokenizer, and writes the
-judgments artifact; its peak RSS is `ru_maxrss`.
+of ~1,000 characters per prompt, G=4 rubrics of M=6 items: 192 judgments per prompt) and runs
+`judge.run_judge` on them with the tiny-random verifier's real chat template and tokenizer, writing
+the judgments artifact; its peak RSS is `ru_maxrss`.
 
 The scorer tokenizes every (prefix, suffix) pair as an engine does (each prefix once) but runs no
-model: at 1M judgments a forward pass per judgment would take hours on 2 CPU cores, and the model's
-memory does not depend on the number of judgments (a batch at a time). The baseline is the former
+model (`TokenizeOnlyEngine`): at 1M judgments a forward pass per judgment would take hours on 2 CPU
+cores, and the model's memory does not depend on the number of judgments (a batch at a time). The baseline is the former
 path: every question rendered as its own full prompt string, all held at once (10k and 100k only).
 
     python -m bench.bench_judge_memory [--sizes 10000 100000 1000000]
@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from bench import machine_info, print_table, write_result
+from dynamicrubric.engines import Engine
 
 K, G, M = 8, 4, 6
 PER_PROMPT = K * G * M
@@ -81,55 +82,68 @@ def write_inputs(n: int, folder: Path) -> tuple[str, str]:
     return r_uri, s_uri
 
 
+class TokenizeOnlyEngine(Engine):
+    """The request path of an engine without its model: the real tiny-random tokenizer and chat
+    template, each (prefix, suffix) pair tokenized as HFEngine does (each prefix once), and a P(yes)
+    derived from the suffix length. For this benchmark only: judging 1M questions with a forward
+    pass each would take hours on 2 CPU cores, and a model's memory is a batch at a time."""
+
+    def __init__(self) -> None:
+        from transformers import AutoTokenizer
+
+        from dynamicrubric.models import resolve_model
+
+        self.model_ref = "tiny-random (tokenizer only)"
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model("tiny-random"))
+        self.tokens = 0
+
+    def yes_probability(self, pairs, desc="judge", *, bar=None):
+        prefixes = {
+            p: self.tokenizer.encode(p, add_special_tokens=False) for p in dict.fromkeys(p for p, _ in pairs)
+        }
+        suffixes = self.tokenizer([s for _, s in pairs], add_special_tokens=False)["input_ids"]
+        self.tokens += sum(map(len, prefixes.values())) + sum(map(len, suffixes))
+        if bar is not None:
+            bar.update(len(pairs))
+        return [(len(s) % 10) / 10 for s in suffixes]
+
+    def generate(self, *args, **kwargs):
+        raise NotImplementedError("the judge benchmark only judges")
+
+    def logprobs(self, *args, **kwargs):
+        raise NotImplementedError("the judge benchmark only judges")
+
+
 def child(n: int, folder: str, mode: str) -> dict:
     """One measurement, in its own process: judge `n` questions the stage's way (or the former way)."""
-    from transformers import AutoTokenizer
-
-    from dynamicrubric.artifacts import read_frame, write_artifact
+    from dynamicrubric.artifacts import read_frame
     from dynamicrubric.config import load_config
-    from dynamicrubric.judge import judge_table
-    from dynamicrubric.models import resolve_model
+    from dynamicrubric.judge import run_judge
     from dynamicrubric.prompts import JUDGE_ITEM_QUESTION, judge_context, split_chat_prompt
 
-    tok = AutoTokenizer.from_pretrained(resolve_model("tiny-random"))
+    engine = TokenizeOnlyEngine()
     cfg = load_config(preset="tiny")
-
-    def render(messages: list[dict]) -> str:
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-    rollouts = read_frame(f"{folder}/rollouts-{n}.parquet", "rollouts")
-    rubrics = read_frame(f"{folder}/rubrics-{n}.parquet", "rubrics")
+    rollouts_uri, rubrics_uri = f"{folder}/rollouts-{n}.parquet", f"{folder}/rubrics-{n}.parquet"
     start = time.perf_counter()
-    if mode == "stream":
-        tokens = 0
-
-        def score(pairs: list[tuple[str, str]], bar) -> list[float]:
-            nonlocal tokens
-            prefixes = {
-                p: len(tok.encode(p, add_special_tokens=False)) for p in dict.fromkeys(p for p, _ in pairs)
-            }
-            suffixes = tok([s for _, s in pairs], add_special_tokens=False)["input_ids"]
-            tokens += sum(prefixes.values()) + sum(map(len, suffixes))
-            bar.update(len(pairs))
-            return [(len(s) % 10) / 10 for s in suffixes]  # a P(yes) from the data: no model is run
-
-        table = judge_table(rollouts, rubrics, cfg, render, score)
-        write_artifact(f"{folder}/judgments-{n}.parquet", "judgments", table)
-        judged = table.num_rows
+    if mode == "stream":  # the judge stage itself, inputs read and judgments written
+        counts = run_judge(
+            rollouts_uri, f"{folder}/judgments-{n}.parquet", cfg, rubrics_uri=rubrics_uri, engine=engine
+        )
+        judged = counts["judgments"]
     else:  # the former path: one full prompt string pair per question, all built before judging
+        rollouts, rubrics = read_frame(rollouts_uri, "rollouts"), read_frame(rubrics_uri, "rubrics")
         by_prompt = {pid: g for pid, g in rollouts.groupby("prompt_id", sort=False)}
         pairs = []
         for rubric in rubrics.itertuples():
             for r in by_prompt[rubric.prompt_id].itertuples():
                 context = judge_context(r.prompt, r.response, cfg.judge.max_response_chars)
                 for item in rubric.items:
-                    pairs.append(
-                        split_chat_prompt(render, context, JUDGE_ITEM_QUESTION.format(item=item["text"]))
-                    )
-        judged, tokens = len(pairs), 0
+                    question = JUDGE_ITEM_QUESTION.format(item=item["text"])
+                    pairs.append(split_chat_prompt(engine.chat_prompt, context, question))
+        judged = len(pairs)
     seconds = time.perf_counter() - start
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    return {"judgments": judged, "peak_rss_mb": peak_mb, "seconds": seconds, "tokens": tokens}
+    return {"judgments": judged, "peak_rss_mb": peak_mb, "seconds": seconds, "tokens": engine.tokens}
 
 
 def main() -> None:
