@@ -280,3 +280,22 @@ def test_progress_bar_shows_counts_and_rate_off_a_terminal(
     engine.generate(prompts, n=2, max_new_tokens=2, desc="rollout")
     err = capfd.readouterr().err
     assert "rollout: 100%" in err and "6/6" in err and "sample/s" in err
+
+
+def test_progress_reaches_a_kfp_local_log() -> None:
+    """kfp.local runs a task with stdout=PIPE, stderr=STDOUT, text=True and prints each line it reads:
+    the bar's carriage-return refreshes must arrive there as lines with counts and a rate."""
+    import subprocess
+    import sys
+
+    code = (
+        "import time\nfrom dynamicrubric.engines import progress_bar\n"
+        "with progress_bar(3, 'judge', 'judgment') as bar:\n"
+        "    for _ in range(3):\n        time.sleep(0.05)\n        bar.update(1)\n"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    ) as proc:
+        lines = list(iter(proc.stdout.readline, ""))
+    assert proc.returncode == 0
+    assert any(line.startswith("judge: 100%") and "3/3" in line and "judgment/s" in line for line in lines)
