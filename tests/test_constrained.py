@@ -172,3 +172,50 @@ def test_rubric_stage_counts_truncated_and_parses_the_rest(tmp_path, engine: HFE
     thinking = load_config(preset="tiny", overrides={"models": {"enable_thinking": {"generator": True}}})
     with pytest.raises(ValueError, match="enable_thinking.generator"):
         run_rubrics(str(tmp_path / "r.parquet"), str(tmp_path / "u.parquet"), thinking, engine=engine)
+
+
+@pytest.mark.slow
+def test_smollm2_constrained_rubrics_are_valid_json() -> None:
+    """The real generator (vocab 49,152): 8 constrained rubric samples at temperature 0.7, batch 8."""
+    smol = HFEngine("smollm2-135m-instruct", device="cpu", batch_size=8)
+    prompt = smol.chat_prompt(
+        [{"role": "user", "content": "Write a grading rubric for answers to: What is 17 + 25?"}]
+    )
+    gen = smol.generate([prompt], n=8, temperature=0.7, max_new_tokens=448, seed=0, rubric_items=4)[0]
+    complete = [t for t, r in zip(gen.texts, gen.finish_reasons, strict=True) if r == "stop"]
+    # Each sample has its own seeded stream, so a sample of n tokens would also finish under any limit
+    # >= n: the token counts say how presets' rubrics.max_new_tokens would truncate (shown with -s).
+    print("smollm2 constrained rubric tokens:", sorted(gen.num_tokens), gen.finish_reasons)
+    assert len(complete) >= 6
+    assert all(_valid(t, 4) and parse_rubric(t, 4).status == "json" for t in complete)
+
+
+def test_one_processor_serves_many_generate_calls(engine: HFEngine) -> None:
+    """transformers' own generate() with a processor passed once, as a trainer's generation kwargs do."""
+    import torch
+
+    processor = constrained.RubricLogitsProcessor(engine.tokenizer, 2, stop_token_ids=engine.stop_ids)
+    batch = engine.tokenizer(
+        [engine.chat_prompt([{"role": "user", "content": q}]) for q in QUESTIONS[:2]],
+        add_special_tokens=False,
+        return_tensors="pt",
+        padding=True,
+        padding_side="left",
+    )
+    texts = []
+    for seed in (0, 1):  # two calls in a row: the second must start a new grammar state
+        torch.manual_seed(seed)
+        out = engine.model.generate(
+            **batch,
+            do_sample=True,
+            max_new_tokens=300,
+            logits_processor=[processor],
+            eos_token_id=engine.stop_ids,
+            pad_token_id=engine.pad_id,
+        )
+        texts += engine.tokenizer.batch_decode(
+            out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True
+        )
+    assert all(t.startswith('{"items": [{"text": "') for t in texts)
+    finished = [t for t in texts if t.endswith("}]}")]
+    assert finished and all(_valid(t, 2) for t in finished)

@@ -1,4 +1,5 @@
-"""HFEngine against plain full forward passes of the same model; VLLMEngine where a GPU and vllm exist.
+"""HFEngine against plain full forward passes of the same model; VLLMEngine where a GPU and vllm exist
+(on CPU the real vLLM engine is tested by `make test-vllm`, tests_vllm/).
 
 The model cache lives under pytest's tmp (set by conftest's `_model_cache`) unless DYNRUBRIC_CACHE is set.
 """
@@ -232,9 +233,69 @@ def test_vllm_engine_matches_hf(engine: HFEngine, prompts: list[str]) -> None:
     greedy_h = engine.generate(prompts, temperature=0.0, max_new_tokens=6)
     assert [g.texts for g in greedy_v] == [g.texts for g in greedy_h]
     pairs = _judge_pairs(engine)
-    # vLLM sees only its top-20 tokens, so yes/no mass outside them is missing: compare loosely.
-    assert v.yes_probability(pairs) == pytest.approx(engine.yes_probability(pairs), abs=0.05)
+    # P(yes) comes from the label tokens' own log-probs (logprob_token_ids): bf16/fp32 kernel noise only.
+    assert v.yes_probability(pairs) == pytest.approx(engine.yes_probability(pairs), abs=1e-3)
     completions = ["The answer is 5.", "Blue", "x"]
     assert v.logprobs(prompts, completions)[0] == pytest.approx(
         engine.logprobs(prompts, completions)[0], abs=1e-3
     )
+
+
+# ---- thinking templates, unscored verdicts, progress
+
+
+THINKING_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{% endif %}{% endif %}"
+)
+
+
+def test_enable_thinking_is_passed_to_the_template(engine: HFEngine) -> None:
+    tok = AutoTokenizer.from_pretrained(resolve_model("tiny-random"))
+    tok.chat_template = THINKING_TEMPLATE
+    thinking = HFEngine("x", model=engine.model, tokenizer=tok)
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert thinking.chat_prompt(msgs, enable_thinking=False).endswith("assistant\n<think>\n\n</think>\n\n")
+    assert thinking.chat_prompt(msgs, enable_thinking=True).endswith("assistant\n")
+    assert thinking.chat_prompt(msgs) == thinking.chat_prompt(msgs, enable_thinking=True)  # template default
+    # A template that does not know the flag ignores it.
+    assert engine.chat_prompt(msgs, enable_thinking=False) == engine.chat_prompt(msgs)
+
+
+def test_a_verdict_without_finite_label_logits_is_nan_not_a_guess(engine: HFEngine) -> None:
+    broken = AutoModelForCausalLM.from_pretrained(resolve_model("tiny-random"))
+    with torch.no_grad():
+        broken.get_output_embeddings().weight[engine.yes_ids + engine.no_ids] = float("nan")
+    e = HFEngine("broken", model=broken, tokenizer=engine.tokenizer)
+    pairs = _judge_pairs(engine)[:3]
+    assert all(p != p for p in e.yes_probability(pairs))  # NaN
+    assert all(0 < p < 1 for p in engine.yes_probability(pairs))
+
+
+def test_progress_bar_shows_counts_and_rate_off_a_terminal(
+    engine: HFEngine, prompts: list[str], capfd
+) -> None:
+    engine.generate(prompts, n=2, max_new_tokens=2, desc="rollout")
+    err = capfd.readouterr().err
+    assert "rollout: 100%" in err and "6/6" in err and "sample/s" in err
+
+
+def test_progress_reaches_a_kfp_local_log() -> None:
+    """kfp.local runs a task with stdout=PIPE, stderr=STDOUT, text=True and prints each line it reads:
+    the bar's carriage-return refreshes must arrive there as lines with counts and a rate."""
+    import subprocess
+    import sys
+
+    code = (
+        "import time\nfrom dynamicrubric.engines import progress_bar\n"
+        "with progress_bar(3, 'judge', 'judgment') as bar:\n"
+        "    for _ in range(3):\n        time.sleep(0.05)\n        bar.update(1)\n"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    ) as proc:
+        lines = list(iter(proc.stdout.readline, ""))
+    assert proc.returncode == 0
+    assert any(line.startswith("judge: 100%") and "3/3" in line and "judgment/s" in line for line in lines)

@@ -78,8 +78,8 @@ def aggregate(
     (prompt_id, sample_idx), rubrics (prompt_id, rubric_idx, items), anchors (list_id, sample_idx, rank).
     """
     sets = _candidate_sets(rollouts)
-    j = _index_judgments(judgments, sets, rubrics)
     _refuse_unscored(judgments)
+    j = _index_judgments(judgments, sets, rubrics)
     v = _floats(judgments, "p_yes") if soft else _column(judgments, "verdict", "judgments").astype(np.float64)
 
     # Slot layouts: group g owns K_g consecutive score slots, item i owns K_i consecutive verdict slots.
@@ -605,7 +605,12 @@ def _refuse_unscored(judgments: Frame) -> None:
     names = judgments.column_names if isinstance(judgments, pa.Table) else judgments.columns
     if "p_yes" not in names:
         return
-    unscored = int(np.isnan(_column(judgments, "p_yes", "judgments").astype(np.float64)).sum())
+    # NaN, not null: read the raw values (pandas would call NaN a null, and _column refuses nulls).
+    col = judgments.column("p_yes") if isinstance(judgments, pa.Table) else judgments["p_yes"]
+    values = np.asarray(
+        col.to_numpy(zero_copy_only=False) if isinstance(col, pa.ChunkedArray) else col, np.float64
+    )
+    unscored = int(np.isnan(values).sum())
     if unscored:
         raise AggregateError(
             f"judgments: {unscored} verdict(s) could not be scored by the verifier (p_yes NaN); "

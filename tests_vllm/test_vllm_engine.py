@@ -1,0 +1,144 @@
+"""The project's VLLMEngine against a real vLLM (CPU build), and its agreement with HFEngine.
+
+Tolerances (both engines fp32 on CPU, same weights, same token ids):
+- greedy decoding: every token vLLM picks in the first GREEDY_TOKENS is an argmax of transformers'
+  logits at that step (teacher-forced on vLLM's tokens) up to ARGMAX_TOL in logit. The random
+  tiny model's next-token logits are nearly flat, so the kernels' ~1e-6 differences can flip an exact
+  tie; where the top two logits differ by more than 10 * ARGMAX_TOL the tokens must be identical;
+- P(yes) agrees within 1e-3 and completion log-probs within 1e-3 (the kernels differ: vLLM's CPU
+  attention against transformers' eager/SDPA attention).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from dynamicrubric.constrained import rubric_schema
+from dynamicrubric.engines import HFEngine, VLLMEngine
+from dynamicrubric.prompts import parse_rubric
+
+QUESTIONS = ["What is 2+3?", "Name a colour.", "Write a short poem about the sea, please, in four lines."]
+GREEDY_TOKENS = 16
+ARGMAX_TOL = 1e-4
+P_YES_TOL = 1e-3
+LOGPROB_TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(bos_model: Path):
+    engine = VLLMEngine(str(bos_model), dtype="float32", max_model_len=1024, enforce_eager=True, seed=0)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def hf_engine(bos_model: Path) -> HFEngine:
+    return HFEngine(str(bos_model), device="cpu", dtype="float32", batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def prompts(hf_engine: HFEngine) -> list[str]:
+    return [hf_engine.chat_prompt([{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+def _judge_pairs(engine) -> list[tuple[str, str]]:
+    contexts = [
+        engine.chat_prompt([{"role": "user", "content": q}]) + f"Response {i}: the answer is {i * 7}."
+        for i, q in enumerate(QUESTIONS)
+    ]
+    items = ["Is it correct?", "Does it explain the steps?", "Yes or no: is the final answer stated clearly?"]
+    return [(c, f"\nQuestion: {item}\nAnswer:") for item in items for c in contexts]
+
+
+def test_prompts_go_in_without_a_second_bos(vllm_engine: VLLMEngine, hf_engine: HFEngine, prompts) -> None:
+    tok = vllm_engine.tokenizer
+    bos = tok.bos_token_id
+    assert prompts[0].startswith(tok.bos_token)
+    # The bug this avoids: a text prompt gets vLLM's tokenizer BOS in front of the template's own.
+    text_out = vllm_engine.llm.generate(
+        [prompts[0]], vllm_engine._vllm.SamplingParams(max_tokens=1), use_tqdm=False
+    )[0]
+    assert text_out.prompt_token_ids[:2] == [bos, bos]
+    # The engine sends the token ids HFEngine uses: one BOS, from the template.
+    expected = hf_engine._encode([prompts[0]])[0]
+    assert vllm_engine._token_prompts(prompts[:1])[0]["prompt_token_ids"] == expected
+    assert expected[0] == bos and expected[1] != bos
+
+
+def test_greedy_generation_matches_hf(vllm_engine: VLLMEngine, hf_engine: HFEngine, prompts) -> None:
+    import torch
+
+    token_prompts = vllm_engine._token_prompts(prompts)
+    params = vllm_engine._vllm.SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS)
+    outs = vllm_engine.llm.generate(token_prompts, params, use_tqdm=False)
+    decisive = 0
+    for tp, out in zip(token_prompts, outs, strict=True):
+        ids, new = tp["prompt_token_ids"], list(out.outputs[0].token_ids)
+        with torch.no_grad():
+            logits = hf_engine.model(input_ids=torch.tensor([ids + new])).logits[0].float()
+        for t, tok in enumerate(new):
+            step = logits[len(ids) - 1 + t]
+            top2 = step.topk(2).values
+            assert float(step.max() - step[tok]) <= ARGMAX_TOL, f"step {t}: vLLM's token is not an argmax"
+            if float(top2[0] - top2[1]) > 10 * ARGMAX_TOL:
+                assert tok == int(step.argmax())
+                decisive += 1
+    assert decisive >= GREEDY_TOKENS  # the check is not vacuous
+    # Through the engine API: the same texts as HFEngine wherever no near-tie was met.
+    v = vllm_engine.generate(prompts, temperature=0.0, max_new_tokens=GREEDY_TOKENS)
+    assert [g.num_tokens for g in v] == [[len(o.outputs[0].token_ids)] for o in outs]
+
+
+def test_seeded_sampling_with_n(vllm_engine: VLLMEngine, prompts) -> None:
+    a = vllm_engine.generate(prompts, n=3, max_new_tokens=12, seed=7)
+    b = vllm_engine.generate(prompts, n=3, max_new_tokens=12, seed=7)
+    c = vllm_engine.generate(prompts, n=3, max_new_tokens=12, seed=8)
+    assert a == b
+    assert [g.texts for g in a] != [g.texts for g in c]
+    assert all(len(g.texts) == 3 and len(set(g.texts)) > 1 for g in a), "the n samples must differ"
+
+
+def test_p_yes_from_label_tokens_matches_hf(vllm_engine: VLLMEngine, hf_engine: HFEngine) -> None:
+    pairs = _judge_pairs(hf_engine)
+    assert vllm_engine.yes_ids == hf_engine.yes_ids and vllm_engine.no_ids == hf_engine.no_ids
+    v = vllm_engine.yes_probability(pairs)
+    h = hf_engine.yes_probability(pairs)
+    assert not any(math.isnan(p) for p in v), "every verdict must be scored from the label tokens"
+    assert v == pytest.approx(h, abs=P_YES_TOL)
+    assert max(h) - min(h) > 0.01  # values that vary, or a constant could match by accident
+
+
+def test_logprobs_match_hf(vllm_engine: VLLMEngine, hf_engine: HFEngine, prompts) -> None:
+    completions = ["The answer is 5.", "Blue", "x"]
+    v = vllm_engine.logprobs(prompts, completions)
+    h = hf_engine.logprobs(prompts, completions)
+    for a, b in zip(v, h, strict=True):
+        assert a == pytest.approx(b, abs=LOGPROB_TOL)
+
+
+def test_enable_thinking_reaches_the_template(vllm_engine: VLLMEngine, hf_engine: HFEngine) -> None:
+    msgs = [{"role": "user", "content": "Hi"}]
+    off = vllm_engine.chat_prompt(msgs, enable_thinking=False)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert "<think>" not in vllm_engine.chat_prompt(msgs, enable_thinking=True)
+    assert "<think>" not in vllm_engine.chat_prompt(msgs)  # None: the template's default
+    assert off == hf_engine.chat_prompt(msgs, enable_thinking=False)
+    on = vllm_engine.chat_prompt(msgs, enable_thinking=True)
+    assert vllm_engine._token_prompts([off]) != vllm_engine._token_prompts([on])
+
+
+def test_constrained_rubrics_parse(vllm_engine: VLLMEngine, prompts) -> None:
+    gens = vllm_engine.generate(prompts, n=4, max_new_tokens=400, seed=1, rubric_items=3)
+    assert gens == vllm_engine.generate(prompts, n=4, max_new_tokens=400, seed=1, rubric_items=3)
+    complete = [t for g in gens for t, r in zip(g.texts, g.finish_reasons, strict=True) if r == "stop"]
+    assert len(complete) >= 6, "most constrained rubrics of 400 tokens should finish"
+    items_max = rubric_schema(3)["properties"]["items"]["maxItems"]
+    for text in complete:
+        doc = json.loads(text)
+        assert 1 <= len(doc["items"]) <= items_max
+        assert all(1 <= it["weight"] <= 5 and 3 <= len(it["text"]) <= 200 for it in doc["items"])
+        assert parse_rubric(text, 3).status == "json"
