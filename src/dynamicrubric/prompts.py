@@ -23,9 +23,8 @@ Write at most {m} yes/no criteria that tell these particular responses apart: ea
 be met by some of the responses and failed by others. Leave out criteria that every response meets \
 and criteria that every response fails. Give each criterion a weight from 1 (minor) to 5 (essential).
 
-Reply with a numbered list only, one criterion per line, its weight in brackets first, for example:
-1. [5] The final answer is 12.
-2. [2] The response shows the steps.
+Reply with JSON only, in this form:
+{{"items": [{{"text": "The final answer is 12.", "weight": 5}}, {{"text": "The response shows the steps.", "weight": 2}}]}}
 
 Task:
 {task}
@@ -38,9 +37,8 @@ You are writing a grading rubric for the task below, before seeing any response.
 Write at most {m} yes/no criteria that a good response to this task must meet. Give each criterion \
 a weight from 1 (minor) to 5 (essential).
 
-Reply with a numbered list only, one criterion per line, its weight in brackets first, for example:
-1. [5] The final answer is 12.
-2. [2] The response shows the steps.
+Reply with JSON only, in this form:
+{{"items": [{{"text": "The final answer is 12.", "weight": 5}}, {{"text": "The response shows the steps.", "weight": 2}}]}}
 
 Task:
 {task}"""
