@@ -128,14 +128,25 @@ def test_lineage_run_tree(pipeline_run):
             [pipeline_run["experiment_id"]], f"tags.mlflow.parentRunId = '{round_run.info.run_id}'"
         )
         names = {s.data.tags[tracking.STAGE_TAG] for s in stages}
-        expected = {"generator-aggregate", "train-evaluator", "policy-aggregate", "train-policy", "evaluate"}
+        # the online round: P_{t-1}'s candidate sets, G_t trained online, the signal audit of G_{t-1}
+        # and G_t on P_{t-1}'s probe samples, P_t trained online, evaluate
+        expected = {
+            "train-evaluator",
+            "audit-before-aggregate",
+            "audit-after-aggregate",
+            "train-policy",
+            "evaluate",
+        }
         expected |= {
-            f"{label}-{stage}-{shard}"
-            for label in ("generator", "policy")
-            for stage in ("rollout", "rubrics", "judge")
+            f"{stage}-{shard}" for stage in ("generator-rollout", "generator-candidates") for shard in (0, 1)
+        }
+        expected |= {
+            f"audit-{when}-{stage}-{shard}"
+            for when in ("before", "after")
+            for stage in ("rubrics", "judge")
             for shard in (0, 1)
         }
-        expected |= {"generator-candidates-0", "generator-candidates-1"}
+        expected |= {"audit-rollout-0", "audit-rollout-1"}
         assert expected <= names, f"round {t} lacks {expected - names}"
         # The SIGKILL can land while a task logs to MLflow: that run stays RUNNING, half-logged, and the
         # resumed pipeline ran the task again in a run of its own.
@@ -169,7 +180,7 @@ def test_stage_runs_by_round_and_the_round_table(pipeline_run):
     assert [row["round"] for row in table] == [1, 2]
     for row in table:
         metrics = {r.data.tags[tracking.STAGE_TAG]: r.data.metrics for r in by_round[row["round"]]}
-        assert row["tie_rate"] == metrics["policy-aggregate"]["tie_rate"]
+        assert row["tie_rate"] == metrics["audit-after-aggregate"]["tie_rate"]
         assert row["policy_acc"] == (
             metrics["evaluate"]["policy/accuracy"],
             int(metrics["evaluate"]["policy/samples"]),
@@ -218,7 +229,8 @@ def test_early_stop_skips_later_rounds(tmp_path, monkeypatch):
     aggregate = next(
         s
         for s in stages
-        if s.data.tags[tracking.STAGE_TAG] == "policy-aggregate" and s.data.tags[tracking.ROUND_TAG] == "1"
+        if s.data.tags[tracking.STAGE_TAG] == "audit-after-aggregate"
+        and s.data.tags[tracking.ROUND_TAG] == "1"
     )
     assert aggregate.data.metrics["tie_rate"] >= 1e-6  # the condition that stops the run
     rounds = {s.data.tags[tracking.ROUND_TAG] for s in stages}
