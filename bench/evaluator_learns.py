@@ -10,6 +10,12 @@ signal audit of the pipeline, run by the same stage code). Paired differences ov
 bootstrap intervals (bench/stats.py). The config is bench/study/evaluator_learns.yaml.
 
     python -m bench.evaluator_learns [--config ...] [--out bench/results/evaluator_learns.json]
+    python -m bench.evaluator_learns --work DIR --reuse   # recompute the JSON from DIR's finished steps
+
+Soft R_disc splits in two (law of total variance, per item over the K responses):
+v̄(1 − v̄) = Var_k(p_yes) + mean_k p_yes(1 − p_yes): the first part is how differently the verifier
+judges the responses (discrimination), the second how unsure it is of each one (uncertainty). With
+hard verdicts the second part is 0. The JSON reports both parts for G_0 and G_1.
 """
 
 from __future__ import annotations
@@ -33,8 +39,11 @@ HERE = Path(__file__).parent
 AUDIT_SEED = 4242  # the same rubric-sampling seed for G_0 and G_1: only the generator differs
 
 
-def candidate_sets(cfg: Config, work: Path, split: str, seed: int) -> tuple[str, str, str]:
+def candidate_sets(cfg: Config, work: Path, split: str, seed: int, reuse: bool) -> tuple[str, str, str]:
     """P_0's K responses per prompt of `split`, as candidate sets with their outcome rankings."""
+    sets, ranked = str(work / f"{split}-sets.parquet"), str(work / f"{split}-anchors.parquet")
+    if reuse and Path(sets).exists() and Path(ranked).exists():
+        return str(work / f"{split}-prompts.parquet"), sets, ranked
     y = cfg.to_yaml()
     prompts = str(work / f"{split}-prompts.parquet")
     write_artifact(prompts, "prompts", tasks.configured_prompts(cfg.data, split))
@@ -42,25 +51,26 @@ def candidate_sets(cfg: Config, work: Path, split: str, seed: int) -> tuple[str,
     write_artifact(lists, "anchors", empty_table("anchors"))
     rollouts = str(work / f"{split}-rollouts.parquet")
     steps.rollout(y, "", 1, split, prompts, rollouts, cfg.models.policy, 0, 1, seed)
-    sets, ranked = str(work / f"{split}-sets.parquet"), str(work / f"{split}-anchors.parquet")
     steps.candidates(y, "", 1, rollouts, prompts, lists, 0, 1, sets, ranked)
     return prompts, sets, ranked
 
 
-def audit(cfg: Config, work: Path, name: str, generator: str, sets: str, ranked: str) -> pd.DataFrame:
+def audit(
+    cfg: Config, work: Path, name: str, generator: str, sets: str, ranked: str, reuse: bool
+) -> pd.DataFrame:
     """One row per held-out set: R_disc and the signal diagnostics of `generator`'s rubric for it."""
     y = cfg.to_yaml()
     folder = work / f"audit-{name}"
     rubrics, judgments = str(folder / "rubrics.parquet"), str(folder / "judgments.parquet")
-    counts = steps.rubrics(
-        y, "", 1, f"audit-{name}", sets, rubrics, generator, cfg.rubrics.samples, 0, AUDIT_SEED
-    )
-    steps.judge(y, "", 1, f"audit-{name}", sets, rubrics, judgments, cfg.models.verifier, 0)
     out = {k: str(folder / f"{k}.parquet") for k in ("scores", "rewards", "diagnostics", "metrics")}
-    steps.aggregate(
-        y, "", 1, f"audit-{name}", [judgments], [sets], [rubrics], [ranked],
-        out["scores"], out["rewards"], out["diagnostics"], out["metrics"],
-    )  # fmt: skip
+    if not (reuse and Path(out["diagnostics"]).exists()):
+        steps.rubrics(y, "", 1, f"audit-{name}", sets, rubrics, generator, cfg.rubrics.samples, 0, AUDIT_SEED)
+        steps.judge(y, "", 1, f"audit-{name}", sets, rubrics, judgments, cfg.models.verifier, 0)
+        steps.aggregate(
+            y, "", 1, f"audit-{name}", [judgments], [sets], [rubrics], [ranked],
+            out["scores"], out["rewards"], out["diagnostics"], out["metrics"],
+        )  # fmt: skip
+    rubric_rows = read_frame(rubrics, "rubrics")
     rewards = read_frame(out["rewards"], "rewards")
     diag = read_frame(out["diagnostics"], "diagnostics")
     per_set = (
@@ -74,8 +84,29 @@ def audit(cfg: Config, work: Path, name: str, generator: str, sets: str, ranked:
             num_items=("num_items_x", "mean"),
         )
     )
-    per_set.attrs["counts"] = counts
+    per_set = per_set.join(r_disc_parts(read_frame(judgments, "judgments")))
+    per_set.attrs["counts"] = {
+        "rubrics": len(rubric_rows),
+        "truncated": int((rubric_rows["parse_status"] == "truncated").sum()),
+        "empty": int((rubric_rows["parse_status"] == "empty").sum()),
+        "parsed_json": int((rubric_rows["parse_status"] == "json").sum()),
+    }
     return per_set
+
+
+def r_disc_parts(judgments: pd.DataFrame) -> pd.DataFrame:
+    """Per set: the item mean of v̄(1 − v̄) (soft), of Var_k(p_yes) and of mean_k p_yes(1 − p_yes)."""
+    j = judgments[judgments["p_yes"].notna()].assign(p=lambda d: d["p_yes"].astype(float))
+    j = j.assign(unsure=j["p"] * (1 - j["p"]))
+    items = j.groupby(["prompt_id", "rubric_idx", "item_idx"]).agg(
+        vbar=("p", "mean"), var=("p", lambda p: p.var(ddof=0)), uncertainty=("unsure", "mean")
+    )
+    items["soft_item_disc"] = items["vbar"] * (1 - items["vbar"])
+    return (
+        items.groupby("prompt_id")[["soft_item_disc", "var", "uncertainty"]]
+        .mean()
+        .rename(columns={"var": "discrimination"})
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,21 +114,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=str(HERE / "study" / "evaluator_learns.yaml"))
     parser.add_argument("--out", default=str(HERE / "results" / "evaluator_learns.json"))
     parser.add_argument("--work", default=None)
+    parser.add_argument("--reuse", action="store_true", help="keep what a run in --work already finished")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config)
     work = Path(args.work or tempfile.mkdtemp(prefix="evaluator-learns-"))
     work.mkdir(parents=True, exist_ok=True)
-    timings: dict[str, float] = {}
+    timings_file = work / "timings.json"  # kept with the work, so a --reuse run reports the first run's
+    timings: dict[str, float] = (
+        json.loads(timings_file.read_text()) if args.reuse and timings_file.exists() else {}
+    )
+
+    def timed(name: str, started: float) -> None:
+        timings.setdefault(name, time.perf_counter() - started)
+        timings_file.write_text(json.dumps(timings))
 
     started = time.perf_counter()
-    _, train_sets, train_ranked = candidate_sets(cfg, work, "train", seed=1)
-    _, held_sets, held_ranked = candidate_sets(cfg, work, "eval", seed=2)
-    timings["candidate_sets_s"] = time.perf_counter() - started
+    _, train_sets, train_ranked = candidate_sets(cfg, work, "train", seed=1, reuse=args.reuse)
+    _, held_sets, held_ranked = candidate_sets(cfg, work, "eval", seed=2, reuse=args.reuse)
+    timed("candidate_sets_s", started)
 
     started = time.perf_counter()
-    before = audit(cfg, work, "g0", cfg.models.generator, held_sets, held_ranked)
-    timings["audit_g0_s"] = time.perf_counter() - started
+    before = audit(cfg, work, "g0", cfg.models.generator, held_sets, held_ranked, args.reuse)
+    timed("audit_g0_s", started)
 
     started = time.perf_counter()
     train.launch(
@@ -111,11 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         metrics_uri=str(work / "metrics.parquet"),
         round_idx=1,
     )
-    timings["train_s"] = time.perf_counter() - started
+    timed("train_s", started)
 
     started = time.perf_counter()
-    after = audit(cfg, work, "g1", str(work / "generator"), held_sets, held_ranked)
-    timings["audit_g1_s"] = time.perf_counter() - started
+    after = audit(cfg, work, "g1", str(work / "generator"), held_sets, held_ranked, args.reuse)
+    timed("audit_g1_s", started)
 
     after = after.reindex(before.index)
     metrics = read_frame(str(work / "metrics.parquet"), "metrics")
@@ -142,10 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         "after": {c: bootstrap_mean(after[c].to_numpy()) for c in after.columns},
         "difference": {
             c: paired_difference(after[c].to_numpy(), before[c].to_numpy())
-            for c in ("r_disc", "tie_rate", "uniform", "mean_gap")
+            for c in ("r_disc", "tie_rate", "uniform", "mean_gap", "discrimination", "uncertainty")
         },
         "curve": curve,
+        # A --reuse run over a work folder made before timings.json existed has only its own (short) times.
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
+        "reused_work": args.reuse,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1, default=float) + "\n")
