@@ -98,8 +98,8 @@ GOOD = {
 # Each stage: its arguments, with {kind} placeholders for inputs and {out} for its output folder.
 STAGES: dict[str, list[str]] = {
     "rollout": ["--prompts", "{prompts}", "--out", "{out}/rollouts.parquet"],
-    "rubrics": ["--rollouts", "{rollouts}", "--out", "{out}/rubrics.parquet"],
-    "judge": ["--rollouts", "{rollouts}", "--rubrics", "{rubrics}", "--out", "{out}/judgments.parquet"],
+    "rubrics": ["--candidate-sets", "{rollouts}", "--out", "{out}/rubrics.parquet"],
+    "judge": ["--candidate-sets", "{rollouts}", "--rubrics", "{rubrics}", "--out", "{out}/judgments.parquet"],
     "prepare-data": [
         "--out-train", "{out}/train.parquet", "--out-eval", "{out}/eval.parquet",
         "--out-anchors", "{out}/anchors.parquet",
@@ -109,18 +109,18 @@ STAGES: dict[str, list[str]] = {
         "--out", "{out}/candidates.parquet", "--out-anchors", "{out}/ranked.parquet",
     ],
     "aggregate": [
-        "--judgments", "{judgments}", "--rollouts", "{rollouts}", "--rubrics", "{rubrics}",
+        "--judgments", "{judgments}", "--candidate-sets", "{rollouts}", "--rubrics", "{rubrics}",
         "--anchors", "{anchors}", "--out-scores", "{out}/scores.parquet", "--out-rewards",
         "{out}/rewards.parquet", "--out-diagnostics", "{out}/diagnostics.parquet",
         "--out-metrics", "{out}/metrics.parquet",
     ],
     "train-evaluator": [
-        "--rubrics", "{rubrics}", "--rewards", "{rewards}", "--generator", "tiny-random",
-        "--out", "{out}/generator", "--metrics", "{out}/metrics.parquet",
+        "--candidate-sets", "{rollouts}", "--anchors", "{anchors}", "--generator", "tiny-random",
+        "--out", "{out}/generator", "--out-steps", "{out}/steps", "--metrics", "{out}/metrics.parquet",
     ],
     "train-policy": [
-        "--rollouts", "{rollouts}", "--scores", "{scores}", "--policy", "tiny-random",
-        "--out", "{out}/policy", "--metrics", "{out}/metrics.parquet",
+        "--prompts", "{prompts}", "--policy", "tiny-random",
+        "--out", "{out}/policy", "--out-steps", "{out}/steps", "--metrics", "{out}/metrics.parquet",
     ],
     "evaluate": [
         "--prompts", "{prompts}", "--policy", "tiny-random", "--generator", "tiny-random",

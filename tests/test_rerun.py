@@ -17,6 +17,9 @@ from dynamicrubric.models import prepare_model
 from dynamicrubric.rollout import run_rollout
 
 RERUN_STAGES = ("rollout", "rubrics", "judge")
+# The signal audit's second shard in the last round: P_{t-1} and G_t are checkpoints there, not base
+# models, and the shard offset matters.
+TASKS = {"rollout": "audit-rollout-1", "rubrics": "audit-after-rubrics-1", "judge": "audit-after-judge-1"}
 
 
 def _stage(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -40,7 +43,7 @@ def task_runs(tiny_run):
     runs = client.search_runs([experiment], f"tags.`{tracking.ROUND_TAG}` = '{last}'", max_results=5000)
     chosen = {}
     for stage in RERUN_STAGES:
-        name = f"policy-{stage}-1"  # the policy stage's second shard: a checkpoint policy, a shard offset
+        name = TASKS[stage]
         matches = [r for r in runs if r.data.tags.get(tracking.STAGE_TAG) == name]
         assert len(matches) == 1, f"no single {name} run in round {last}"
         chosen[stage] = client.get_run(matches[0].info.run_id)
@@ -80,7 +83,7 @@ def test_from_task_names_a_task_of_the_pipeline_run(tiny_run, task_runs, tmp_pat
     experiment = client.get_experiment_by_name(tiny_run["cfg"].pipeline.experiment).experiment_id
     (parent,) = client.search_runs([experiment], f"tags.`{tracking.STAGE_TAG}` = 'pipeline'")
     out = tmp_path / "judge.parquet"
-    task = f"{tiny_run['cfg'].pipeline.rounds}/policy-judge-1"
+    task = f"{tiny_run['cfg'].pipeline.rounds}/{TASKS['judge']}"
     # no --tracking-uri: the default sqlite:///mlflow.db of the directory the run was started in
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     proc = _stage(

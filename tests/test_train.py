@@ -113,7 +113,7 @@ def test_aggregate_stage_reruns_on_a_step_artifacts(tmp_path):
     out = tmp_path / "rerun"
     code = main(
         ["stage", "aggregate", "--preset", "tiny", "--judgments", str(step / "judgments.parquet"),
-         "--rollouts", str(step / "rollouts.parquet"), "--rubrics", str(step / "rubrics.parquet"),
+         "--candidate-sets", str(step / "rollouts.parquet"), "--rubrics", str(step / "rubrics.parquet"),
          "--out-scores", str(out / "scores.parquet"), "--out-rewards", str(out / "rewards.parquet"),
          "--out-diagnostics", str(out / "diagnostics.parquet"), "--out-metrics", str(out / "metrics.parquet")]
     )  # fmt: skip

@@ -350,7 +350,13 @@ def train_evaluator(
     )
     with tracking.stage_run(cfg, run_name, round_idx, "train_evaluator", started=started) as run:
         if run:
-            run.log_params({"generator": model_reference(generator), "verifier": model_reference(verifier)})
+            run.log_params(
+                {
+                    "generator": model_reference(generator),
+                    "verifier": model_reference(verifier),
+                    "steps": tracking.artifact_uri(out_steps),  # the per-step artifacts' folder
+                }
+            )
             for uri in candidate_sets:
                 run.log_artifact_dataset(uri, "rollouts", "input")
             for uri in anchors:
@@ -398,6 +404,7 @@ def train_policy(
                     "policy": model_reference(policy),
                     "generator": model_reference(generator),
                     "verifier": model_reference(verifier),
+                    "steps": tracking.artifact_uri(out_steps),  # the per-step artifacts' folder
                 }
             )
             run.log_artifact_dataset(prompts, "prompts", "input")

@@ -359,9 +359,9 @@ def _resume_point(work_uri: str, scratch: Path) -> str | None:
     name = done[-1]
     local = scratch / name
     shutil.rmtree(local, ignore_errors=True)
-    store.download_dir(store.join(work_uri, name), local)
     log.info("resuming from %s", store.join(work_uri, name))
-    return str(local)
+    # an S3 checkpoint is fetched into the scratch folder; a local one is read where it is
+    return str(store.download_dir(store.join(work_uri, name), local))
 
 
 def _checkpoint_callback(work_uri: str):
@@ -594,8 +594,12 @@ def launch_command(world_size: int, args: list[str]) -> list[str]:
     fsdp = accelerate_config(world_size)
     if fsdp is not None:
         cmd += ["--config_file", str(fsdp)]
-    elif not torch.cuda.is_available():
-        cmd += ["--cpu"] + (["--multi_gpu"] if world_size > 1 else [])
+    elif world_size > 1:
+        # torchrun-style processes; without CUDA each one runs on the CPU (TRL's use_cpu) with gloo.
+        # (accelerate's --cpu with several processes means an MPI launch, which is not installed.)
+        cmd += ["--multi_gpu"]
+    else:
+        cmd += ["--cpu"]
     return cmd + ["-m", "dynamicrubric.train", *args]
 
 
