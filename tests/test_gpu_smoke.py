@@ -25,7 +25,7 @@ def test_check_validates_the_script_and_compiles_its_config(tmp_path):
     done = _run("--check", GPU_SMOKE_WORK=str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     (line,) = done.stdout.splitlines()
-    assert line.startswith("gpu_smoke --check: OK (vllm==0.33.0, ")
+    assert line.startswith("gpu_smoke --check: OK (vllm==0.31.0, ")
     # the config it would run: one round, one shard, SmolLM2 in every role on vLLM, tiny's sizes
     from dynamicrubric.config import load_config
 

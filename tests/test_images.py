@@ -272,8 +272,8 @@ def test_gpu_requirements_follow_pyproject() -> None:
 def test_constraints_satisfy_requirements() -> None:
     gpu_pins = read_pins(IMAGES / "gpu-constraints.txt")
     assert_pins_satisfy(read_requirements(IMAGES / "gpu-requirements.txt"), gpu_pins, "gpu-constraints.txt")
-    # vllm pins torch 2.14.0 and transformers below 5.21: the GPU lock must hold those.
-    assert gpu_pins["torch"] == "2.14.0"
+    # vllm 0.31 pins torch 2.13.0 and transformers 5.17: the GPU lock must hold those.
+    assert gpu_pins["torch"] == "2.13.0"
     assert Requirement("transformers<5.21").specifier.contains(gpu_pins["transformers"])
 
     cpu_pins = read_pins(IMAGES / "cpu-constraints.txt")

@@ -44,10 +44,10 @@ def test_stage_then_read_from_the_store(s3_env, tmp_path, monkeypatch):
 
     assert stage_models(plan) == {"tiny-random": "staged"}
     assert store.is_complete(target)
-    info = json.loads(store.read_bytes(store.folder_file(target, STAGED_INFO)))
+    info = json.loads(store.read_bytes(store.join(target, STAGED_INFO)))  # beside the model's files
     assert info["ref"] == "tiny-random" and info["source"] == str(source)
     files = set(store.read_manifest(target)["files"])  # what the folder's _COMPLETE marker lists
-    assert {"config.json", "model.safetensors", "tokenizer.json", STAGED_INFO} <= files
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
 
     # a second run under the same root keeps the copy: nothing is written again
     store.write_bytes(store.join(target, STAGED_INFO), b"sentinel")

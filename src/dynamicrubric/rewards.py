@@ -522,9 +522,14 @@ def _engine_cache(cfg: Config) -> Callable[[str], Any]:
 
     def get(ref: str) -> Any:
         if ref not in loaded:
+            import torch
+
             from dynamicrubric.train import resolve_model_ref
 
-            loaded[ref] = load_engine(str(resolve_model_ref(ref)), cfg.engine)
+            # Loading initialises weights from torch's global RNG; the trainer's sampling draws from it
+            # too, and a resumed run loads the engines at another step than an uninterrupted one.
+            with torch.random.fork_rng(devices=[]):
+                loaded[ref] = load_engine(str(resolve_model_ref(ref)), cfg.engine)
         return loaded[ref]
 
     return get

@@ -69,6 +69,11 @@ SUMMARY_FILE = "dynamicrubric_train.json"
 STALL_ENV = "DYNRUBRIC_TEST_STALL_AFTER_STEP"
 STAGES = ("train-policy", "train-evaluator")
 
+
+class TrainingError(ValueError):
+    """A training process stopped on bad input; the message is the one the process raised."""
+
+
 # TRL's per-step log keys kept as metrics (besides every reward-function metric, which is kept whole).
 TRL_METRICS = {
     "loss": "loss",
@@ -432,7 +437,8 @@ def _grpo(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    state = PartialState()
+    cuda = torch.cuda.is_available()
+    state = PartialState(cpu=not cuda)  # without CUDA: gloo processes (TRL's use_cpu joins this state)
     if state.num_processes != tcfg.world_size:
         raise ValueError(
             f"{stage}: world_size is {tcfg.world_size} in the config but {state.num_processes} process(es) "
@@ -441,7 +447,6 @@ def _grpo(
     if tcfg.torch_threads:
         torch.set_num_threads(tcfg.torch_threads)
     accumulation = _check_batch(stage, tcfg, num_generations, len(dataset["prompt"]))
-    cuda = torch.cuda.is_available()
     bf16 = cuda if tcfg.bf16 is None else tcfg.bf16
     vllm = cfg.engine.engine == "vllm"
     temperature, top_p, max_new_tokens = sampling
@@ -625,6 +630,12 @@ def launch(stage: str, cfg: Config, **kwargs: Any) -> dict:
             env["OMP_NUM_THREADS"] = str(tcfg.torch_threads)
         proc = subprocess.run(launch_command(tcfg.world_size, args), env=env, check=False)
         if proc.returncode != 0:
+            error_file = result_file.with_suffix(".error")
+            if error_file.exists():  # what the process raised, said again here (its traceback is above)
+                error = json.loads(error_file.read_text())
+                if error["user"]:
+                    raise TrainingError(error["message"])
+                raise RuntimeError(f"{stage}: {error['type']}: {error['message']}")
             raise RuntimeError(f"{stage}: the training process exited with code {proc.returncode}")
         return json.loads(result_file.read_text())
 
@@ -659,12 +670,28 @@ def main(argv: list[str] | None = None) -> int:
         "verifier": a.verifier,
         "round_idx": a.round_idx,
     }
-    if a.stage == "train-policy":
-        final = train_policy(cfg, prompts_uri=a.prompts_uri, policy=a.policy, generator=a.generator, **common)
-    else:
-        final = train_evaluator(
-            cfg, candidates=a.candidates, anchors=a.anchors, generator=a.generator, **common
-        )
+    try:
+        if a.stage == "train-policy":
+            final = train_policy(
+                cfg, prompts_uri=a.prompts_uri, policy=a.policy, generator=a.generator, **common
+            )
+        else:
+            final = train_evaluator(
+                cfg, candidates=a.candidates, anchors=a.anchors, generator=a.generator, **common
+            )
+    except Exception as e:
+        if a.result:  # for the launcher, which reports it as its own error
+            from dynamicrubric.artifacts import ArtifactError
+            from dynamicrubric.config import ConfigError
+            from dynamicrubric.engines import EngineError
+            from dynamicrubric.models import ModelError
+
+            user = isinstance(
+                e, ArtifactError | ConfigError | store.StoreError | EngineError | ModelError | ValueError
+            )
+            error = {"user": user, "type": type(e).__name__, "message": str(e)}
+            Path(a.result).with_suffix(".error").write_text(json.dumps(error))
+        raise
     if a.result:
         from accelerate import PartialState
 
