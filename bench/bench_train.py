@@ -92,10 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
         out = work / "separate"
         commands = {
-            "rubrics": ["rubrics", "--rollouts", str(step / "rollouts.parquet"), "--out", str(out / "rubrics.parquet")],
-            "judge": ["judge", "--rollouts", str(step / "rollouts.parquet"), "--rubrics", str(out / "rubrics.parquet"),
+            "rubrics": ["rubrics", "--candidate-sets", str(step / "rollouts.parquet"), "--out", str(out / "rubrics.parquet")],
+            "judge": ["judge", "--candidate-sets", str(step / "rollouts.parquet"), "--rubrics", str(out / "rubrics.parquet"),
                       "--out", str(out / "judgments.parquet")],
-            "aggregate": ["aggregate", "--judgments", str(out / "judgments.parquet"), "--rollouts",
+            "aggregate": ["aggregate", "--judgments", str(out / "judgments.parquet"), "--candidate-sets",
                           str(step / "rollouts.parquet"), "--rubrics", str(out / "rubrics.parquet"),
                           "--out-scores", str(out / "s.parquet"), "--out-rewards", str(out / "r.parquet"),
                           "--out-diagnostics", str(out / "d.parquet"), "--out-metrics", str(out / "m.parquet")],

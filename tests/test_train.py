@@ -235,6 +235,9 @@ def test_sigkill_mid_run_then_rerun_equals_uninterrupted(tmp_path):
         steps_uri=str(folder / "steps"),
         round_idx=1,
     )
+    for step in (3, 4):  # the resumed steps sampled and scored exactly what the uninterrupted run did
+        rel = Path("steps") / f"step-{step:05d}" / "rollouts.parquet"
+        assert (tmp_path / "whole" / rel).read_bytes() == (folder / rel).read_bytes(), rel
     a, b = _weights(tmp_path / "whole" / "policy"), _weights(folder / "policy")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
