@@ -109,9 +109,9 @@ def inputs_by_kind(run) -> dict[str, list[str]]:
 def rerun(stage: str, tracking_uri: str, run_id: str, task: str | None, out: str) -> dict:
     """Rerun task `stage` (rollout, rubrics or judge) of a pipeline run into `out`; return its counts."""
     run = find_stage_run(tracking_uri, run_id, task)
-    name = run.data.tags[tracking.STAGE_TAG]  # "<label>-<stage>-<shard>"
-    label, _, rest = name.partition("-")
-    if not rest.startswith(stage + "-"):
+    name = run.data.tags[tracking.STAGE_TAG]  # "<label>-<stage>-<shard>"; a label may hold "-" itself
+    label, found, shard = name.rpartition(f"-{stage}-")
+    if not (label and found and shard.isdigit()):
         raise RerunError(f"run {run.info.run_id} is task {name!r}, not a {stage} task")
     round_idx = int(run.data.tags[tracking.ROUND_TAG])
     params = run.data.params
