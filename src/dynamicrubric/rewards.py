@@ -536,13 +536,16 @@ def _engine_cache(cfg: Config) -> Callable[[str], Any]:
 
 
 def _outcomes(rollouts: pd.DataFrame, prompts: pd.DataFrame, cfg: Config) -> list[float]:
-    from dynamicrubric.tasks import score_response
+    """The task checker's score of every rollout; a group's code runs in one sandbox batch."""
+    from dynamicrubric.tasks import score_group
 
     by_id = {row["prompt_id"]: row for row in prompts.to_dict("records")}
-    return [
-        score_response(by_id[pid], response, timeout_s=cfg.evaluate.sandbox_timeout_s)
-        for pid, response in zip(rollouts["prompt_id"], rollouts["response"], strict=True)
-    ]
+    scores = pd.Series(0.0, index=rollouts.index)
+    for pid, group in rollouts.groupby("prompt_id", sort=False):
+        scores[group.index] = score_group(
+            by_id[pid], group["response"].tolist(), timeout_s=cfg.evaluate.sandbox_timeout_s
+        )
+    return scores.tolist()
 
 
 def _checker_judgments(rollouts: pd.DataFrame, outcome: list[float]) -> pd.DataFrame:
@@ -562,26 +565,10 @@ def _checker_judgments(rollouts: pd.DataFrame, outcome: list[float]) -> pd.DataF
 
 def _ranked_by(rollouts: pd.DataFrame, outcome: list[float]) -> pd.DataFrame | None:
     """Reference rankings from outcomes (for Δgap), for groups whose outcomes differ."""
-    from dynamicrubric.tasks import _dense_ranks
+    from dynamicrubric.tasks import ranked_by_score
 
-    frame = rollouts.assign(score=outcome)
-    rows = []
-    for pid, group in frame.groupby("prompt_id", sort=True):
-        if group["score"].nunique() < 2:
-            continue
-        ranks = _dense_ranks(group["score"].tolist(), best_is_low=False)
-        for idx, response, rank in zip(group["sample_idx"], group["response"], ranks, strict=True):
-            rows.append(
-                {
-                    "list_id": pid,
-                    "sample_idx": int(idx),
-                    "rank": rank,
-                    "prompt": group["prompt"].iloc[0],
-                    "response": response,
-                    "source": "outcomes",
-                }
-            )
-    return pd.DataFrame(rows) if rows else None
+    ranked, _ = ranked_by_score(rollouts.assign(score=outcome))
+    return ranked if len(ranked) else None
 
 
 class _Scores:

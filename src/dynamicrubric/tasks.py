@@ -631,10 +631,20 @@ def anchors_from_outcomes(
         index=[i for _, index, _ in groups for i in index],
         dtype=float,
     )
-    todo = todo.assign(score=scores)
+    todo = todo.assign(score=scores, prompt=todo["prompt_id"].map(lambda pid: prompts[pid]["prompt"]))
+    ranked, uniform = ranked_by_score(todo)
+    kept = todo["prompt_id"].nunique() - uniform
+    log.info("anchors from outcomes: %d list(s) kept, %d with all-equal scores dropped", kept, uniform)
+    return ranked
+
+
+def ranked_by_score(scored: pd.DataFrame) -> tuple[pd.DataFrame, int]:
+    """Each prompt's responses ranked by their outcome score (dense ranks, 1 = best) as anchor lists,
+    and the number of prompts left out because all their scores were equal (no order to learn from).
+    `scored` has columns prompt_id, sample_idx, prompt, response, score."""
     rows: list[dict] = []
     uniform = 0
-    for pid, group in todo.groupby("prompt_id", sort=True):
+    for pid, group in scored.groupby("prompt_id", sort=True):
         if group["score"].nunique() < 2:
             uniform += 1
             continue
@@ -645,11 +655,9 @@ def anchors_from_outcomes(
                     "list_id": pid,
                     "sample_idx": int(sample_idx),
                     "rank": rank,
-                    "prompt": prompts[pid]["prompt"],
+                    "prompt": group["prompt"].iloc[0],
                     "response": response,
                     "source": "outcomes",
                 }
             )
-    kept = todo["prompt_id"].nunique() - uniform
-    log.info("anchors from outcomes: %d list(s) kept, %d with all-equal scores dropped", kept, uniform)
-    return _anchor_frame(rows).sort_values(["list_id", "sample_idx"], ignore_index=True)
+    return _anchor_frame(rows).sort_values(["list_id", "sample_idx"], ignore_index=True), uniform
