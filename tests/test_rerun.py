@@ -14,6 +14,7 @@ from dynamicrubric import tracking
 from dynamicrubric.artifacts import write_artifact
 from dynamicrubric.config import load_config
 from dynamicrubric.models import prepare_model
+from dynamicrubric.rerun import inputs_by_kind
 from dynamicrubric.rollout import run_rollout
 
 RERUN_STAGES = ("rollout", "rubrics", "judge")
@@ -139,3 +140,32 @@ def test_a_relative_model_path_writes_the_same_bytes(tmp_path, monkeypatch):
     run_rollout(str(prompts), str(tmp_path / "a"), cfg, policy=str(model), seed=1)
     run_rollout(str(prompts), str(tmp_path / "b"), cfg, policy=relative, seed=1)
     assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes()
+
+
+def test_a_task_on_an_s3_root_logs_s3_uris_and_reruns_from_them(s3_env, tmp_path):
+    """A cluster run's task reads and writes s3:// artifacts (its pod sees them as /s3/... paths):
+    its MLflow lineage records the s3:// URIs, and `--from-run` reruns it from them, byte for byte."""
+    import mlflow
+
+    from dynamicrubric import steps, store, tasks
+
+    tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = load_config(None, preset="tiny", overrides={"pipeline": {"mlflow_tracking_uri": tracking_uri}})
+    root = f"s3://{s3_env}/runs/r1"
+    prompts, rollouts = f"{root}/prepare-data/train_prompts", f"{root}/rollout-1/rollouts"
+    write_artifact(prompts, "prompts", tasks.configured_prompts(cfg.data, "train"))
+    steps.start_tracking(cfg.to_yaml(), "s3-run")
+    steps.rollout(cfg.to_yaml(), "s3-run", 1, "audit", prompts, rollouts, "tiny-random", 1, 2, 7)
+
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+    experiment = client.get_experiment_by_name(cfg.pipeline.experiment).experiment_id
+    (run,) = client.search_runs([experiment], f"tags.`{tracking.STAGE_TAG}` = 'audit-rollout-1'")
+    run = client.get_run(run.info.run_id)
+    inputs = {u for uris in inputs_by_kind(run).values() for u in uris}
+    assert inputs == {prompts} and _output_uri(run) == rollouts  # s3:// URIs, not pod paths
+
+    out = f"s3://{s3_env}/rerun/rollouts"
+    proc = _stage("rollout", "--from-run", run.info.run_id, "--out", out, "--tracking-uri", tracking_uri,
+                  cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert store.read_bytes(out) == store.read_bytes(rollouts)
