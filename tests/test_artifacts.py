@@ -263,13 +263,13 @@ def _rubric_with_bad_item_text() -> pa.Table:
 
 
 def test_nan_is_refused_on_write_too(tmp_path):
-    with pytest.raises(ArtifactError, match="column 'p_yes' has 1 NaN or infinite value"):
-        write_artifact(
-            str(tmp_path / "j.parquet"), "judgments", [dict(SAMPLES["judgments"][0], p_yes=math.nan)]
-        )
-    assert not (tmp_path / "j.parquet").exists()
-    # an undefined metric is a NaN value, and allowed
+    with pytest.raises(ArtifactError, match="column 'score' has 1 NaN or infinite value"):
+        write_artifact(str(tmp_path / "s.parquet"), "scores", [dict(SAMPLES["scores"][0], score=math.nan)])
+    assert not (tmp_path / "s.parquet").exists()
+    # an undefined metric is a NaN value, and allowed; so is a verdict the verifier could not score
+    # (the judge counts it, aggregation refuses it by name: tests/test_judge.py)
     write_artifact(str(tmp_path / "m.parquet"), "metrics", [dict(SAMPLES["metrics"][0], value=math.nan)])
+    write_artifact(str(tmp_path / "j.parquet"), "judgments", [dict(SAMPLES["judgments"][0], p_yes=math.nan)])
 
 
 def _write(path, data: bytes) -> str:

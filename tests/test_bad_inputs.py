@@ -418,7 +418,11 @@ def test_four_megabyte_prompt_is_truncated_when_configured(good, tmp_path, capsy
 
 
 VALIDATE_CASES = [(kind, how) for kind in GOOD for how in FILE_PROBLEMS if how != "wrong-kind"]
-VALIDATE_CASES += [(kind, how) for kind in FLOAT_KINDS for how in ("nan", "inf")]
+# A NaN p_yes is a verdict the verifier could not score: a valid judgments row (the judge counts it and
+# aggregation refuses it, naming the file), so validate accepts it.
+VALIDATE_CASES += [
+    (kind, how) for kind in FLOAT_KINDS for how in ("nan", "inf") if (kind, how) != ("judgments", "nan")
+]
 VALIDATE_CASES += [("prompts", "huge-id"), ("rollouts", "huge-id")]
 
 

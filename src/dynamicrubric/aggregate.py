@@ -218,13 +218,16 @@ def run_aggregate(
     Inputs are read as Arrow tables (`read_artifact`), not DataFrames: the rubrics' nested `items`
     column stays columnar instead of becoming one Python list per row.
     """
-    result = aggregate(
-        read_artifact(judgments_uri, "judgments"),
-        read_artifact(rollouts_uri, "rollouts"),
-        read_artifact(rubrics_uri, "rubrics") if rubrics_uri else None,
-        read_artifact(anchors_uri, "anchors") if anchors_uri else None,
-        soft=soft,
-    )
+    try:
+        result = aggregate(
+            read_artifact(judgments_uri, "judgments"),
+            read_artifact(rollouts_uri, "rollouts"),
+            read_artifact(rubrics_uri, "rubrics") if rubrics_uri else None,
+            read_artifact(anchors_uri, "anchors") if anchors_uri else None,
+            soft=soft,
+        )
+    except AggregateError as e:  # the inputs are valid artifacts that do not fit together: name them
+        raise AggregateError(f"{judgments_uri}: {e}") from None
     write_artifact(out_scores, "scores", result.scores)
     write_artifact(out_rewards, "rewards", result.rewards)
     write_artifact(out_diagnostics, "diagnostics", result.diagnostics)

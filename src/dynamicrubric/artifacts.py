@@ -356,8 +356,9 @@ def validate_table(table: pa.Table, k: Kind, where: str) -> None:
             )
 
 
-# Columns where NaN is a value, not an error: a metric that is undefined for a round (no pairs to rank).
-NAN_ALLOWED = {("metrics", "value")}
+# Columns where NaN is a value, not an error: a metric that is undefined for a round (no pairs to rank),
+# and a verdict the verifier could not score (judge counts them; aggregation refuses them by name).
+NAN_ALLOWED = {("metrics", "value"), ("judgments", "p_yes")}
 
 
 def _check_text_and_numbers(table: pa.Table, k: Kind, where: str) -> None:
