@@ -219,3 +219,18 @@ def test_one_processor_serves_many_generate_calls(engine: HFEngine) -> None:
     assert all(t.startswith('{"items": [{"text": "') for t in texts)
     finished = [t for t in texts if t.endswith("}]}")]
     assert finished and all(_valid(t, 2) for t in finished)
+
+
+def test_vllm_grammar_has_no_free_whitespace() -> None:
+    """What vLLM gets (`rubric_grammar`) admits the compact rubric JSON and refuses whitespace between
+    tokens, extra items and out-of-range weights."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    grammar = constrained.rubric_grammar(2)
+    one = '{"text": "States 5", "weight": 5}'
+    assert accepts(grammar, '{"items": [' + one + "]}")
+    assert accepts(grammar, '{"items": [' + one + ", " + one + "]}")
+    assert not accepts(grammar, '{"items": [' + ", ".join([one] * 3) + "]}")
+    assert not accepts(grammar, '{ "items": [' + one + "]}")
+    assert not accepts(grammar, '{"items":\n[' + one + "]}")
+    assert not accepts(grammar, '{"items": [{"text": "States 5", "weight": 6}]}')

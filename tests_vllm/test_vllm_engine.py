@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -138,7 +139,11 @@ def test_constrained_rubrics_parse(vllm_engine: VLLMEngine, prompts) -> None:
     assert len(complete) >= 6, "most constrained rubrics of 400 tokens should finish"
     items_max = rubric_schema(3)["properties"]["items"]["maxItems"]
     for text in complete:
-        doc = json.loads(text)
+        # strict=False: a text may hold raw control characters, which parse_rubric reads the same way
+        doc = json.loads(text, strict=False)
         assert 1 <= len(doc["items"]) <= items_max
         assert all(1 <= it["weight"] <= 5 and 3 <= len(it["text"]) <= 200 for it in doc["items"])
         assert parse_rubric(text, 3).status == "json"
+        # No free whitespace between JSON tokens: only the grammar's ", " and ": " separators.
+        outside_strings = re.sub(r'"[^"\\]*"', '""', text)
+        assert not re.search(r"\s", outside_strings.replace(", ", ",").replace(": ", ":")), text

@@ -9,11 +9,16 @@ can fail to parse; the rubric stage counts those and scores them as empty.
   for every generation call (it keeps one grammar matcher per batch row and cannot be reused). The
   grammar itself is compiled once per (tokenizer, vocabulary size, stop tokens, M) and cached: compiling
   took 6.8 s for SmolLM2's 49k vocabulary.
-- vLLM: `rubric_schema(M)` is passed to its structured outputs, which also run on xgrammar.
+- vLLM: `rubric_grammar(M)`, the same schema as an xgrammar EBNF grammar without free whitespace, is
+  passed to its structured outputs (also xgrammar). Not the schema itself: vLLM 0.31/0.32 ignore the
+  per-request `disable_any_whitespace` and read only the engine-wide setting, which TRL's colocated
+  engine does not expose; with free whitespace a weak model can spend its whole token budget on
+  whitespace between JSON tokens (tests_vllm saw 2 of 8 rubrics finish in 400 tokens).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from typing import Any
@@ -52,6 +57,15 @@ def rubric_schema(max_items: int) -> dict:
         "required": ["items"],
         "additionalProperties": False,
     }
+
+
+@functools.cache
+def rubric_grammar(max_items: int) -> str:
+    """`rubric_schema(max_items)` as xgrammar EBNF, with fixed separators and no whitespace between
+    JSON tokens: the grammar HFEngine compiles, in the form vLLM's structured outputs take per request."""
+    import xgrammar as xgr
+
+    return str(xgr.Grammar.from_json_schema(json.dumps(rubric_schema(max_items)), any_whitespace=False))
 
 
 def compiled_grammar(

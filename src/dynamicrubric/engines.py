@@ -718,16 +718,16 @@ class VLLMEngine(Engine):
         rubric_items: int | None = None,
     ) -> list[Generation]:
         """n samples per prompt, seeded per prompt from (seed, prompt index); with `rubric_items` through
-        vLLM's structured outputs (xgrammar) with the same schema HFEngine uses."""
+        vLLM's structured outputs (xgrammar) with the same grammar HFEngine uses."""
         _check_sampling(n, temperature, top_p, max_new_tokens)
         if not prompts:
             return []
         structured = None
         if rubric_items:
-            from dynamicrubric.constrained import rubric_schema
+            from dynamicrubric.constrained import rubric_grammar
 
             structured = self._vllm.sampling_params.StructuredOutputsParams(
-                json=rubric_schema(rubric_items), disable_any_whitespace=True
+                grammar=rubric_grammar(rubric_items)
             )
         params = [
             self._vllm.SamplingParams(

@@ -455,9 +455,9 @@ def _grpo(
     scratch.mkdir(parents=True, exist_ok=True)
     generation_kwargs = None
     if vllm and constrain_items:
-        from dynamicrubric.constrained import rubric_schema
+        from dynamicrubric.constrained import rubric_grammar
 
-        generation_kwargs = {"structured_outputs": {"json": rubric_schema(constrain_items)}}
+        generation_kwargs = {"structured_outputs": {"grammar": rubric_grammar(constrain_items)}}
     args = GRPOConfig(
         output_dir=str(scratch),
         max_steps=tcfg.steps,
