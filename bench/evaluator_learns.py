@@ -12,10 +12,12 @@ bootstrap intervals (bench/stats.py). The config is bench/study/evaluator_learns
     python -m bench.evaluator_learns [--config ...] [--out bench/results/evaluator_learns.json]
     python -m bench.evaluator_learns --work DIR --reuse   # recompute the JSON from DIR's finished steps
 
-Soft R_disc splits in two (law of total variance, per item over the K responses):
-v̄(1 − v̄) = Var_k(p_yes) + mean_k p_yes(1 − p_yes): the first part is how differently the verifier
-judges the responses (discrimination), the second how unsure it is of each one (uncertainty). With
-hard verdicts the second part is 0. The JSON reports both parts for G_0 and G_1.
+R_disc is Σ w·Var_k(v)/Σ w (dynamicrubric.aggregate): with soft verdicts, how differently the verifier
+judges the K responses. The paper's v̄(1 − v̄) with soft verdicts adds the verifier's doubt about each
+response (law of total variance: v̄(1 − v̄) = Var_k(p_yes) + mean_k p_yes(1 − p_yes)); the JSON reports
+that form (`soft_item_disc`) and the doubt (`uncertainty`) beside R_disc, per item averaged per set.
+The first run of this check trained on the v̄(1 − v̄) form and learned nothing; its JSON is
+bench/results/evaluator_learns_vbar.json (made at commit 69639e9).
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ def audit(
 
 
 def r_disc_parts(judgments: pd.DataFrame) -> pd.DataFrame:
-    """Per set: the item mean of v̄(1 − v̄) (soft), of Var_k(p_yes) and of mean_k p_yes(1 − p_yes)."""
+    """Per set: the item mean of v̄(1 − v̄) (soft), of Var_k(p_yes) (R_disc's term; unweighted here)
+    and of mean_k p_yes(1 − p_yes)."""
     j = judgments[judgments["p_yes"].notna()].assign(p=lambda d: d["p_yes"].astype(float))
     j = j.assign(unsure=j["p"] * (1 - j["p"]))
     items = j.groupby(["prompt_id", "rubric_idx", "item_idx"]).agg(
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     t = cfg.train_evaluator
     result = {
-        "what": "R_disc (soft verdicts) and the signal audit of G_0 vs G_1 on held-out candidate sets of P_0",
+        "what": "R_disc (soft verdicts: Var_k of p_yes) and the signal audit of G_0 vs G_1 on held-out candidate sets of P_0",
         "command": "python -m bench.evaluator_learns",
         "machine": f"{platform.machine()}, 2 cores (shared with other work)",
         "config": cfg.model_dump(mode="json"),

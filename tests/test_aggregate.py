@@ -192,6 +192,16 @@ def test_soft_scores_use_p_yes():
     assert row(soft.diagnostics)["mean_pass_rate"] == pytest.approx((0.9 + 0.2 + 0.6) / 3, abs=1e-6)
 
 
+def test_soft_r_disc_is_the_variance_over_responses_not_the_verifiers_doubt():
+    # Item 0: the verifier is unsure of every response alike (p = 0.5): it splits nothing, R_disc 0,
+    # although v̄(1 − v̄) would be 0.25. Item 1: p 0.9 vs 0.1 splits the two responses: variance 0.16.
+    data = judged("a", [1, 3], [[1, 1], [1, 0]], p_yes=[[0.5, 0.9], [0.5, 0.1]])
+    soft = aggregate(data, rollouts(a=2), soft=True)
+    assert row(soft.rewards)["r_disc"] == pytest.approx((1 * 0.0 + 3 * 0.16) / 4, abs=1e-9)
+    # Hard verdicts of the same rows: item 0 passes both (0), item 1 splits them (0.25), as in the paper.
+    assert row(aggregate(data, rollouts(a=2)).rewards)["r_disc"] == pytest.approx(3 * 0.25 / 4)
+
+
 def test_incomplete_judging_names_the_missing_judgment():
     data = judged("a", [5, 3, 2], [[1, 0, 1], [1, 1, 1]])
     missing = data[~((data.sample_idx == 1) & (data.item_idx == 2))]

@@ -5,14 +5,21 @@ within a set. With w_m the item weights and v_m the verdicts (hard by default, p
 
     score(y)  = Σ_m w_m·v_m / Σ_m w_m                      an empty rubric scores every response 0.0
     v̄_m       = mean of v_m over the K responses            the item's pass rate
-    R_disc    = Σ_m w_m·v̄_m·(1 − v̄_m) / Σ_m w_m             0 for an empty rubric
+    R_disc    = Σ_m w_m·Var_k(v_m) / Σ_m w_m                0 for an empty rubric
     R_anchor  = Σ_{rank_i < rank_j} log σ(S_i − S_j) / ((rank_j − rank_i)·2^(rank_i − 1))
     Δgap      = mean of S(y+) − S(y−) over reference pairs with rank(y+) < rank(y−)
 
 R_anchor and Δgap use the `anchors` list whose list_id equals the prompt_id (rank 1 = best, equal
 ranks are ties and form no pair); both are null for a set without such a pair. soft=True uses p_yes
 wherever a verdict is used (scores, pass rates, R_disc). A set of one response has no pairs: tie rate
-0, uniform. The pointwise baseline is a rubric of one weight-1 item per response and takes the same path.
+0, uniform.
+
+R_disc is the variance of an item's verdicts over the K responses. With hard verdicts (0/1) that is
+the paper's v̄(1 − v̄) exactly. With soft verdicts v̄(1 − v̄) would also count the verifier's doubt
+about each response (law of total variance: v̄(1 − v̄) = Var_k(p) + mean_k p(1 − p)), and it rewards
+items the verifier cannot answer: with SmolLM2-135M as verifier the doubt term was 0.23 and the
+variance 0.002 (bench/results/evaluator_learns.json, the first run), so a generator trained on it
+learned nothing about telling responses apart. Var_k(p) keeps only what splits the responses. The pointwise baseline is a rubric of one weight-1 item per response and takes the same path.
 
 Everything runs on integer codes, without a Python loop over groups: prompts, rubrics, items and
 responses become dense codes, every (item, response) judgment owns exactly one "slot" in a ragged
@@ -96,9 +103,11 @@ def aggregate(
     score = _safe_divide(weighted_passes, weight_total[row_group])
 
     pass_rate = np.bincount(j.item, weights=v, minlength=len(j.item_group)) / item_k
+    second_moment = np.bincount(j.item, weights=v * v, minlength=len(j.item_group)) / item_k
+    # Var_k(v) = E[v²] − E[v]²: v̄(1 − v̄) for 0/1 verdicts; clipped at 0 against rounding when all agree
+    item_variance = np.maximum(second_moment - pass_rate * pass_rate, 0.0)
     r_disc = _safe_divide(
-        np.bincount(j.item_group, weights=item_weight * pass_rate * (1 - pass_rate), minlength=j.num_groups),
-        weight_total,
+        np.bincount(j.item_group, weights=item_weight * item_variance, minlength=j.num_groups), weight_total
     )
 
     pairs = _reference_pairs(anchors, sets, j, group_start, score)
