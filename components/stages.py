@@ -267,6 +267,7 @@ def evaluate(
     policy: Input[Model],
     metrics: Output[Dataset],
     plots: Output[Artifact],
+    units: Output[Dataset],
     summary: Output[Metrics],
     generator_ckpt: Input[Model] = None,
     previous_policy: Input[Model] = None,
@@ -286,6 +287,7 @@ def evaluate(
         previous,
         metrics.path,
         plots.path,
+        units.path,
     )
     steps.write_kfp_metrics(summary, result)
 

@@ -103,6 +103,10 @@ SAMPLES: dict[str, list[dict]] = {
     "metrics": [
         {"round": 1, "stage": "aggregate", "variant": "dynamic", "name": "tie_rate", "step": 0, "value": 0.5}
     ],
+    "units": [
+        {"round": 1, "variant": "policy", "measure": "avg_at_k", "unit_id": "p1", "value": 0.25},
+        {"round": 1, "variant": "dynamic", "measure": "pair_soft", "unit_id": "file0:a|0>1", "value": 0.5},
+    ],
 }
 
 
@@ -324,3 +328,27 @@ def test_cli_validate(tmp_path):
     res = subprocess.run([*run, good, bad], capture_output=True, text=True)
     assert res.returncode == 1
     assert "missing column 'finish_reason'" in res.stdout and bad in res.stdout
+
+
+def test_a_per_step_artifact_keeps_its_optional_step_column(tmp_path):
+    """The online trainers stamp `step` on each step's artifacts; the same kind without it stays valid,
+    and any other extra column is still refused."""
+    rows = {
+        "prompt_id": ["a", "a"],
+        "rubric_idx": [0, 0],
+        "sample_idx": [0, 1],
+        "score": [0.5, 1.0],
+        "num_items": [2, 2],
+    }
+    plain = pa.table(rows)
+    stamped = plain.append_column("step", pa.array([3, 3], pa.int32()))
+    uri = str(tmp_path / "scores.parquet")
+    write_artifact(uri, "scores", stamped)
+    back = read_artifact(uri, "scores")
+    assert back.schema.names == [*rows, "step"] and back.column("step").to_pylist() == [3, 3]
+    write_artifact(uri, "scores", plain)
+    assert read_artifact(uri, "scores").schema.names == list(rows)
+    with pytest.raises(ArtifactError, match="unexpected column 'round'"):
+        write_artifact(uri, "scores", plain.append_column("round", pa.array([1, 1])))
+    with pytest.raises(ArtifactError, match="'step' has 1 null"):
+        write_artifact(uri, "scores", plain.append_column("step", pa.array([1, None], pa.int32())))

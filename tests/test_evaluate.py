@@ -289,6 +289,7 @@ def test_run_evaluate_end_to_end(tmp_path):
     labelled = _write_labelled(tmp_path)
     out = str(tmp_path / "metrics.parquet")
     plots = tmp_path / "plots"
+    units_uri = str(tmp_path / "units.parquet")
     result = run_evaluate(
         _eval_prompts(tmp_path),
         out,
@@ -300,6 +301,7 @@ def test_run_evaluate_end_to_end(tmp_path):
         previous_policy="tiny-random",
         labelled_uris=labelled,
         round_idx=1,
+        out_units_uri=units_uri,
     )
     metrics = read_artifact(out, "metrics").to_pandas()
     assert set(metrics["stage"]) == {"evaluate"} and set(metrics["round"]) == {1}
@@ -323,6 +325,21 @@ def test_run_evaluate_end_to_end(tmp_path):
         assert 0.0 <= result[f"{variant}/pairwise_accuracy_labelled"] <= 1.0
     assert sorted(p.name for p in plots.glob("*.png")) == sorted(PLOT_NAMES)
     assert all(_is_png(plots / name) for name in PLOT_NAMES)
+
+    # Every headline metric is the mean of its units: a study's intervals resample exactly these.
+    units = read_artifact(units_uri, "units").to_pandas()
+    assert set(units["round"]) == {1}
+    mean = units.groupby(["variant", "measure"])["value"].mean()
+    count = units.groupby(["variant", "measure"]).size()
+    assert mean["policy", "avg_at_k"] == pytest.approx(result["policy/accuracy"])
+    assert count["policy", "avg_at_k"] == 3
+    assert mean["policy", "win"] == result["policy/win_rate"] and count["policy", "win"] == 3
+    configured = "pair_soft" if cfg.aggregate.soft else "pair_hard"
+    for variant in ["dynamic", "static", "pointwise"]:
+        assert mean[variant, configured] == pytest.approx(result[f"{variant}/pairwise_accuracy"])
+        assert (
+            count[variant, "pair_soft"] == count[variant, "pair_hard"] == result[f"{variant}/labelled_pairs"]
+        )
 
 
 def test_run_evaluate_without_labelled_lists_is_a_counted_skip(tmp_path, caplog):

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -92,7 +93,8 @@ def test_per_step_artifacts_validate_and_metrics_are_recorded(tmp_path):
     for step in (1, 2):
         folder = tmp_path / "steps" / f"step-{step:05d}"
         for kind in ("rollouts", "rubrics", "judgments", "scores", "rewards", "diagnostics", "metrics"):
-            read_frame(str(folder / f"{kind}.parquet"), kind)  # validates against the contract
+            frame = read_frame(str(folder / f"{kind}.parquet"), kind)  # validates against the contract
+            assert set(frame["step"]) == {step}, kind  # each row says which step wrote it
     metrics = read_frame(str(tmp_path / "metrics.parquet"), "metrics")
     names = set(metrics["name"])
     for name in ("reward_mean", "reward_std", "kl", "entropy", "signal/tie_rate", "signal/uniformity_rate",
@@ -118,7 +120,10 @@ def test_aggregate_stage_reruns_on_a_step_artifacts(tmp_path):
          "--out-diagnostics", str(out / "diagnostics.parquet"), "--out-metrics", str(out / "metrics.parquet")]
     )  # fmt: skip
     assert code == 0
-    assert (out / "scores.parquet").read_bytes() == (step / "scores.parquet").read_bytes()
+    # the same scores; the trainer's copy also carries the step that wrote it
+    trained = read_frame(str(step / "scores.parquet"), "scores")
+    assert set(trained.pop("step")) == {1}
+    pd.testing.assert_frame_equal(read_frame(str(out / "scores.parquet"), "scores"), trained)
 
 
 def _candidate_sets(folder: Path, cfg) -> tuple[str, str]:

@@ -221,8 +221,11 @@ def run_aggregate(
     soft: bool = False,
     round_idx: int = 0,
     variant: str = "dynamic",
+    step: int | None = None,
 ) -> dict[str, float]:
     """The stage: read validated artifacts, aggregate, write scores/rewards/diagnostics/metrics.
+
+    `step` (an online trainer's step) goes into every output as its `step` column.
 
     Inputs are read as Arrow tables (`read_artifact`), not DataFrames: the rubrics' nested `items`
     column stays columnar instead of becoming one Python list per row.
@@ -237,16 +240,17 @@ def run_aggregate(
         )
     except AggregateError as e:  # the inputs are valid artifacts that do not fit together: name them
         raise AggregateError(f"{judgments_uri}: {e}") from None
-    write_artifact(out_scores, "scores", result.scores)
-    write_artifact(out_rewards, "rewards", result.rewards)
-    write_artifact(out_diagnostics, "diagnostics", result.diagnostics)
+    stamp = {} if step is None else {"step": np.int32(step)}
+    write_artifact(out_scores, "scores", result.scores.assign(**stamp))
+    write_artifact(out_rewards, "rewards", result.rewards.assign(**stamp))
+    write_artifact(out_diagnostics, "diagnostics", result.diagnostics.assign(**stamp))
     metrics = [
         {
             "round": round_idx,
             "stage": "aggregate",
             "variant": variant,
             "name": name,
-            "step": 0,
+            "step": step or 0,
             "value": value,
         }
         for name, value in result.overall.items()

@@ -50,10 +50,21 @@ class Kind:
     min_rows: int = 0
     # column -> (low, high) inclusive bounds checked on every read and write
     ranges: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # columns a file of this kind may carry or not (kept when present): the online trainers write
+    # each step's artifacts with a `step` column, which the standalone stages' outputs do not have
+    optional: tuple[pa.Field, ...] = ()
+
+    def schema_of(self, table: pa.Table) -> pa.Schema:
+        """The kind's schema plus the optional columns `table` has."""
+        present = [f for f in self.optional if f.name in table.schema.names]
+        return pa.schema(list(self.schema) + present) if present else self.schema
 
 
 def _f(name: str, type_: pa.DataType, nullable: bool = False) -> pa.Field:
     return pa.field(name, type_, nullable=nullable)
+
+
+STEP = _f("step", pa.int32())  # the trainer's step that wrote a per-step artifact
 
 
 KINDS: dict[str, Kind] = {
@@ -88,6 +99,7 @@ KINDS: dict[str, Kind] = {
                 ]
             ),
             keys=("prompt_id", "sample_idx"),
+            optional=(STEP,),
             min_rows=1,
             ranges={"sample_idx": (0, 2**31 - 1), "num_tokens": (0, 2**31 - 1)},
         ),
@@ -107,6 +119,7 @@ KINDS: dict[str, Kind] = {
                 ]
             ),
             keys=("prompt_id", "rubric_idx"),
+            optional=(STEP,),
             min_rows=1,
             ranges={"items.weight": (1, 5), "rubric_idx": (0, 2**31 - 1)},
         ),
@@ -124,6 +137,7 @@ KINDS: dict[str, Kind] = {
                 ]
             ),
             keys=("prompt_id", "rubric_idx", "item_idx", "sample_idx"),
+            optional=(STEP,),
             ranges={"weight": (1, 5), "p_yes": (0.0, 1.0)},
         ),
         Kind(
@@ -138,6 +152,7 @@ KINDS: dict[str, Kind] = {
                 ]
             ),
             keys=("prompt_id", "rubric_idx", "sample_idx"),
+            optional=(STEP,),
             ranges={"score": (0.0, 1.0)},
         ),
         Kind(
@@ -152,6 +167,7 @@ KINDS: dict[str, Kind] = {
                 ]
             ),
             keys=("prompt_id", "rubric_idx"),
+            optional=(STEP,),
             ranges={"r_disc": (0.0, 0.25)},
         ),
         Kind(
@@ -170,6 +186,7 @@ KINDS: dict[str, Kind] = {
                 ]
             ),
             keys=("prompt_id", "rubric_idx"),
+            optional=(STEP,),
             ranges={"tie_rate": (0.0, 1.0), "mean_score": (0.0, 1.0)},
         ),
         Kind(
@@ -186,6 +203,20 @@ KINDS: dict[str, Kind] = {
             ),
             keys=("list_id", "sample_idx"),
             ranges={"rank": (1, 2**31 - 1)},
+        ),
+        Kind(
+            "units",  # the evaluate stage's per-unit values, which its metrics average over
+            pa.schema(
+                [
+                    _f("round", pa.int32()),
+                    _f("variant", pa.string()),  # "policy" or an evaluator variant
+                    _f("measure", pa.string()),  # avg_at_k | win | pair_soft | pair_hard
+                    _f("unit_id", pa.string()),  # a prompt_id, or "<list_id>|<better>><worse>" for a pair
+                    _f("value", pa.float64()),
+                ]
+            ),
+            keys=("round", "variant", "measure", "unit_id"),
+            ranges={"value": (0.0, 1.0)},
         ),
         Kind(
             "metrics",
@@ -228,13 +259,14 @@ def to_table(kind_name: str, data: pd.DataFrame | list[dict] | pa.Table) -> pa.T
         table = pa.Table.from_pylist(list(data)) if data else k.schema.empty_table()
     where = f"<in-memory {kind_name}>"
     _check_columns(table, k, where)
-    for fld in k.schema:
+    for fld in k.schema_of(table):
         if not fld.nullable and table.column(fld.name).null_count:
             raise ArtifactError(
                 f"{where}: column {fld.name!r} has {table.column(fld.name).null_count} null(s)"
             )
+    schema = k.schema_of(table)
     try:
-        return table.select(k.schema.names).cast(k.schema)
+        return table.select(schema.names).cast(schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, ValueError) as e:
         raise ArtifactError(f"{where}: cannot convert to the {kind_name!r} schema: {e}") from e
 
@@ -281,7 +313,8 @@ def read_artifact(uri: str, expected_kind: str | None = None) -> pa.Table:
     validate_table(table, k, uri)
     return (
         table.replace_schema_metadata(None)
-        .cast(k.schema)
+        .select(k.schema_of(table).names)
+        .cast(k.schema_of(table))
         .replace_schema_metadata({KIND_KEY: k.name.encode(), VERSION_KEY: SCHEMA_VERSION.encode()})
     )
 
@@ -303,7 +336,7 @@ def read_frames(uris: list[str], kind_name: str) -> pd.DataFrame:
 def _check_columns(table: pa.Table, k: Kind, where: str) -> None:
     expected, found = k.schema.names, table.schema.names
     missing = [c for c in expected if c not in found]
-    extra = [c for c in found if c not in expected]
+    extra = [c for c in found if c not in expected and c not in {f.name for f in k.optional}]
     if missing:
         raise ArtifactError(
             f"{where}: {k.name!r} artifact is missing column {missing[0]!r}"
@@ -319,7 +352,8 @@ def _check_columns(table: pa.Table, k: Kind, where: str) -> None:
 def validate_table(table: pa.Table, k: Kind, where: str) -> None:
     """Raise ArtifactError on any breach of the kind's contract; `where` names the file in messages."""
     _check_columns(table, k, where)
-    for fld in k.schema:
+    schema = k.schema_of(table)
+    for fld in schema:
         col = table.column(fld.name)
         if not col.type.equals(fld.type) and not _compatible(col.type, fld.type):
             raise ArtifactError(f"{where}: column {fld.name!r} has type {col.type}, expected {fld.type}")
@@ -327,7 +361,7 @@ def validate_table(table: pa.Table, k: Kind, where: str) -> None:
             raise ArtifactError(
                 f"{where}: column {fld.name!r} has {col.null_count} null(s); nulls are not allowed"
             )
-    table = table.select(k.schema.names).cast(k.schema)
+    table = table.select(schema.names).cast(schema)
     _check_text_and_numbers(table, k, where)
     if table.num_rows < k.min_rows:
         raise ArtifactError(f"{where}: {k.name!r} artifact is empty; expected at least {k.min_rows} row(s)")

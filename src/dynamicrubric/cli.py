@@ -347,6 +347,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         args.previous_policy or "",
         args.out,
         args.plots,
+        args.units or "",
     )
     return _print_counts("evaluate", result)
 
@@ -531,6 +532,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--previous-policy", help="for the win rate of --policy over it")
     p.add_argument("--out", required=True, metavar="URI", help="metrics artifact to write")
     p.add_argument("--plots", required=True, metavar="DIR", help="folder for the PNG plots")
+    p.add_argument(
+        "--units", metavar="URI", help="units artifact to write (per prompt and pair, for intervals)"
+    )
     p.add_argument("--round", type=int, default=0)
     return parser
 

@@ -1,6 +1,8 @@
 """Evaluate stage: is the evaluator ranking responses correctly, and is the policy getting better?
 
-Three measurements per round, written as one `metrics` artifact (stage="evaluate") plus PNG plots:
+Three measurements per round, written as one `metrics` artifact (stage="evaluate") plus PNG plots,
+and the units each metric averages over as a `units` artifact (one row per held-out prompt, labelled
+pair or win-rate prompt), from which a study computes confidence intervals and paired differences:
 
 1. Policy quality on held-out verifiable prompts (variant "policy"): the policy samples k responses
    per prompt, each is scored by its task's own checker (`tasks.score_response`: reasoning-gym's
@@ -99,14 +101,28 @@ def _pair_credit(diff: pd.Series) -> np.ndarray:
     return np.where(diff > TIE_TOLERANCE, 1.0, np.where(diff >= -TIE_TOLERANCE, 0.5, 0.0))
 
 
+def pair_credits(lists: pd.DataFrame) -> pd.DataFrame:
+    """One row per reference pair (rank_a < rank_b, same list): list_id, sample_idx_a (the better
+    response), sample_idx_b and credit (1 scored a > b, 0.5 tied, 0 scored a < b)."""
+    pairs = _pairs(check_lists(lists), ordered=True)
+    return pd.DataFrame(
+        {
+            "list_id": pairs["list_id"].to_numpy(),
+            "sample_idx_a": pairs["sample_idx_a"].to_numpy(),
+            "sample_idx_b": pairs["sample_idx_b"].to_numpy(),
+            "credit": _pair_credit(pairs["diff"]),
+        }
+    )
+
+
 def pairwise_accuracy(lists: pd.DataFrame) -> float:
     """Share of reference pairs (rank_a < rank_b, same list) scored a > b; a tied score counts half.
 
     Pooled over all pairs of all lists (a list of n distinct ranks contributes n(n-1)/2 pairs).
     NaN when there is no reference pair.
     """
-    pairs = _pairs(check_lists(lists), ordered=True)
-    return float(_pair_credit(pairs["diff"]).mean()) if len(pairs) else math.nan
+    credits = pair_credits(lists)["credit"]
+    return float(credits.mean()) if len(credits) else math.nan
 
 
 def listwise_accuracy(lists: pd.DataFrame) -> float:
@@ -258,16 +274,21 @@ def policy_metrics(scored: pd.DataFrame, k: int) -> dict[str, float]:
     return out
 
 
+def win_credits(current: pd.Series, previous: pd.Series) -> pd.Series:
+    """Per prompt (the index both series share): 1 if the current response scored higher than the
+    previous one, 0.5 for a tie, 0 if lower."""
+    if not current.index.equals(previous.index):
+        current, previous = current.align(previous, join="inner")
+    return pd.Series(_pair_credit(current - previous), index=current.index, dtype=np.float64)
+
+
 def win_rate(current: pd.Series, previous: pd.Series) -> float:
     """Share of prompts where the current response scored higher than the previous one; ties count half.
 
     Both series are indexed by prompt_id (the same prompts). NaN when empty.
     """
-    if not current.index.equals(previous.index):
-        current, previous = current.align(previous, join="inner")
-    if current.empty:
-        return math.nan
-    return float(_pair_credit(current - previous).mean())
+    credits = win_credits(current, previous)
+    return float(credits.mean()) if len(credits) else math.nan
 
 
 # --------------------------------------------------------------------------------------------------
@@ -473,7 +494,8 @@ def _evaluator_scores(
     verifier: str,
     seed: int,
 ) -> dict[str, pd.DataFrame]:
-    """Score every response of every job: job name -> (prompt_id, sample_idx, score).
+    """Score every response of every job: job name -> (prompt_id, sample_idx, score, score_soft,
+    score_hard); `score` is the configured verdicts' (aggregate.soft), the other two both kinds.
 
     Runs the rubric and judge stages in process on temporary artifacts (so the evaluate stage measures
     exactly what the training rounds use): first every job's rubrics with the generator, then every
@@ -507,13 +529,20 @@ def _evaluator_scores(
             verifier=verifier,
             engine=engines.get(verifier),
         )
-        scores = score_responses(
+        inputs = (
             read_artifact(judgments_uri, "judgments"),
             read_artifact(job.rollouts_uri, "rollouts"),
             read_artifact(job.rubrics_uri, "rubrics") if job.rubrics_uri else None,
-            soft=cfg.aggregate.soft,
         )
-        out[job.name] = scores.groupby(["prompt_id", "sample_idx"], as_index=False)["score"].mean()
+        by_kind = {
+            f"score_{name}": score_responses(*inputs, soft=soft)
+            .groupby(["prompt_id", "sample_idx"], as_index=False)["score"]
+            .mean()
+            .rename(columns={"score": f"score_{name}"})
+            for name, soft in (("soft", True), ("hard", False))
+        }
+        scores = by_kind["score_soft"].merge(by_kind["score_hard"], on=["prompt_id", "sample_idx"])
+        out[job.name] = scores.assign(score=scores["score_soft" if cfg.aggregate.soft else "score_hard"])
     return out
 
 
@@ -531,8 +560,13 @@ def run_evaluate(
     round_idx: int = 0,
     seed: int | None = None,
     engines: dict[str, Engine] | None = None,
+    out_units_uri: str | None = None,
 ) -> dict[str, float]:
     """The evaluate stage; returns every metric as a flat dict "<variant>/<name>" -> value.
+
+    `out_units_uri` (optional) gets the units artifact: ("policy", "avg_at_k") per held-out prompt,
+    ("policy", "win") per win-rate prompt, and per evaluator variant ("pair_soft" and "pair_hard") the
+    credit of every reference pair under soft and hard verdicts (the metrics use `aggregate.soft`'s).
 
     Model references (local folders, hub ids or built-in names) default to cfg.models; `engines`
     (model ref -> Engine) lets a caller reuse engines it already holds. The stage holds one model at a
@@ -553,6 +587,7 @@ def run_evaluate(
     pool = _Engines(cfg, engines)
     roles = {"generator": generator, "verifier": verifier, "seed": seed}
     rows: list[tuple[str, str, float]] = []  # (variant, name, value)
+    units: list[pd.DataFrame] = []  # (variant, measure, unit_id, value)
 
     # (1) The policy samples k responses per held-out prompt; each is scored by its task's checker.
     sample_cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"k": ev.samples})})
@@ -566,6 +601,8 @@ def run_evaluate(
         )
     scored = _score_samples(rollouts, prompts, ev.sandbox_timeout_s)
     rows += [("policy", name, value) for name, value in policy_metrics(scored, ev.samples).items()]
+    per_prompt = scored.groupby("prompt_id", sort=True)["score"].mean()
+    units.append(_units("policy", "avg_at_k", per_prompt.index, per_prompt.to_numpy()))
     rows.append(("policy", "samples", float(len(scored))))
 
     # (2) Labelled lists scored by each evaluator variant, and (3) the win rate over the previous
@@ -601,6 +638,16 @@ def run_evaluate(
                 how="left",
             )
         values = evaluator_metrics(evaluated[variant]) if variant in evaluated else {}
+        for kind in ("soft", "hard") if variant in evaluated else ():
+            credits = pair_credits(evaluated[variant].assign(score=evaluated[variant][f"score_{kind}"]))
+            pair_ids = (
+                credits["list_id"]
+                + "|"
+                + credits["sample_idx_a"].astype(str)
+                + ">"
+                + credits["sample_idx_b"].astype(str)
+            )
+            units.append(_units(variant, f"pair_{kind}", pair_ids, credits["credit"].to_numpy()))
         values.update(counts)
         if variant in evaluated and labelled_uris:
             values.update(_accuracy_by_origin(evaluated[variant]))
@@ -608,6 +655,8 @@ def run_evaluate(
     if "win-rate" in scores:
         by_side = scores["win-rate"].pivot(index="prompt_id", columns="sample_idx", values="score")
         rows.append(("policy", "win_rate", win_rate(by_side[0], by_side[1])))
+        wins = win_credits(by_side[0], by_side[1])
+        units.append(_units("policy", "win", wins.index, wins.to_numpy()))
         rows.append(("policy", "win_rate_prompts", float(len(by_side))))
 
     metrics = pd.DataFrame(rows, columns=["variant", "name", "value"])
@@ -618,12 +667,20 @@ def run_evaluate(
         log.info("evaluate: undefined metric(s) not written: %s", ", ".join(undefined))
     metrics = metrics[defined]
     write_artifact(out_metrics_uri, "metrics", metrics)
+    if out_units_uri:
+        write_artifact(out_units_uri, "units", pd.concat(units, ignore_index=True).assign(round=round_idx))
     write_plots(out_plots_dir, metrics, evaluated)
     result = {
         f"{v}/{n}": float(x) for v, n, x in metrics[["variant", "name", "value"]].itertuples(index=False)
     }
     log.info("evaluate: %s", ", ".join(f"{k}={v:.4g}" for k, v in result.items()))
     return result
+
+
+def _units(variant: str, measure: str, unit_ids: Sequence[str], values: np.ndarray) -> pd.DataFrame:
+    return pd.DataFrame(
+        {"variant": variant, "measure": measure, "unit_id": pd.Index(unit_ids).astype(str), "value": values}
+    )
 
 
 # --------------------------------------------------------------------------------------------------

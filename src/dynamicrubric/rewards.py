@@ -32,9 +32,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
+import pyarrow as pa
 
 from dynamicrubric import store
-from dynamicrubric.artifacts import read_frame, write_artifact
+from dynamicrubric.artifacts import read_artifact, read_frame, write_artifact
 from dynamicrubric.config import Config
 
 log = logging.getLogger(__name__)
@@ -606,7 +607,16 @@ def _aggregate(
         soft=soft,
         round_idx=round_idx,
         variant=variant,
+        step=step,
     )
+    # The stages' own code wrote the step's inputs; stamp the step on them too, now that aggregation
+    # has read them, so every file of a step folder says which step it belongs to.
+    for name in ("rollouts", "rubrics", "judgments"):
+        if name != "rubrics" or rubrics_uri:
+            table = read_artifact(uri[name], name)
+            write_artifact(
+                uri[name], name, table.append_column("step", pa.array([step] * len(table), pa.int32()))
+            )
     named = {f"signal/{k}": v for k, v in overall.items()}
     log.debug("%s step %d: %s", stage, step, json.dumps(named))
     return _Scores(read_frame(uri["scores"], "scores"), named)

@@ -442,14 +442,16 @@ def evaluate(
     previous_policy: str,
     out_metrics: str,
     out_plots: str,
+    out_units: str = "",
 ) -> dict:
     from dynamicrubric.evaluate import run_evaluate
 
     started = time.perf_counter()
     cfg = _setup(config_yaml)
-    preflight(out_metrics, out_plots)
-    # Metrics and plots are published together once both exist: a failure leaves neither (no empty plots/).
-    with store.outputs_as_a_set(out_metrics, out_plots) as (metrics_out, plots_out):
+    preflight(out_metrics, out_plots, out_units)
+    # Metrics, plots and units are published together once all exist: a failure leaves none (no empty
+    # plots/). An empty out_units writes no units.
+    with store.outputs_as_a_set(out_metrics, out_plots, out_units) as (metrics_out, plots_out, units_out):
         result = run_evaluate(
             eval_prompts,
             metrics_out,
@@ -461,6 +463,7 @@ def evaluate(
             previous_policy=previous_policy or None,
             labelled_uris=tuple(cfg.data.labelled),
             round_idx=round_idx,
+            out_units_uri=units_out or None,
         )
     with tracking.stage_run(cfg, run_name, round_idx, "evaluate", started=started) as run:
         if run:
@@ -473,6 +476,8 @@ def evaluate(
             run.log_params(params)
             run.log_artifact_dataset(eval_prompts, "prompts", "input")
             run.log_artifact_dataset(out_metrics, "metrics", "output")
+            if out_units:
+                run.log_artifact_dataset(out_units, "units", "output")
             run.log_metrics_table(out_metrics)
             run.log_dir(out_plots, f"plots/round-{round_idx}")
             for role, metrics in metrics_by_role(result).items():
