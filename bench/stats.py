@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import pandas as pd
 
 
 def bootstrap_mean(
@@ -43,3 +44,32 @@ def paired_difference(
     if a.shape != b.shape:
         raise ValueError(f"paired values need the same units: {a.shape} vs {b.shape}")
     return bootstrap_mean(a - b, resamples=resamples, level=level, seed=seed)
+
+
+def unit_intervals(
+    units: pd.DataFrame, by: Sequence[str] = ("variant", "measure")
+) -> dict[str, dict[str, float]]:
+    """`bootstrap_mean` of `value` per group of a units frame, keyed "<by[0]>/<by[1]>/...".
+
+    A units frame has one row per measured unit (a held-out prompt, a labelled pair, a candidate set)
+    with its `value`, as the evaluate stage writes it."""
+    return {
+        "/".join(str(k) for k in (key if isinstance(key, tuple) else (key,))): bootstrap_mean(group["value"])
+        for key, group in units.groupby(list(by), sort=True)
+    }
+
+
+def paired_units(after: pd.DataFrame, before: pd.DataFrame) -> dict[str, float]:
+    """`paired_difference` of `value` over the unit_ids both frames hold (after − before).
+
+    For two variants or two rounds measured on the same prompts or pairs: units only one side has
+    (e.g. outcome lists built from one policy's own samples) are left out; n says how many were paired."""
+    for name, frame in (("after", after), ("before", before)):
+        if frame["unit_id"].duplicated().any():
+            raise ValueError(
+                f"paired_units: {name} has a unit_id twice; select one variant and measure first"
+            )
+    both = after[["unit_id", "value"]].merge(
+        before[["unit_id", "value"]], on="unit_id", suffixes=("_a", "_b")
+    )
+    return paired_difference(both["value_a"].to_numpy(), both["value_b"].to_numpy())
