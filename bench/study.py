@@ -42,7 +42,7 @@ from bench import RESULTS, machine_info
 from bench.stats import bootstrap_mean, paired_units, unit_intervals
 from dynamicrubric import tasks, tracking
 from dynamicrubric.artifacts import read_frame, write_artifact
-from dynamicrubric.config import Config, load_config
+from dynamicrubric.config import Config, _merge, load_config
 
 HERE = Path(__file__).parent / "study"
 PLOTS = Path(__file__).parent.parent / "docs" / "results"  # per-variant plots for the report
@@ -90,19 +90,7 @@ def study_config(variant: str, root: Path, preset: str | None = None, extra: dic
             "mlflow_tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
         },
     }
-    return load_config(STUDY_CONFIG, preset=preset, overrides=_deep_merge(overrides, extra or {}))
-
-
-def _deep_merge(base: dict, over: dict) -> dict:
-    """`over` laid over `base`, section by section (a value that is not a mapping replaces)."""
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = (
-            _deep_merge(out[key], value)
-            if isinstance(value, dict) and isinstance(out.get(key), dict)
-            else value
-        )
-    return out
+    return load_config(STUDY_CONFIG, preset=preset, overrides=_merge(overrides, extra or {}))
 
 
 # --------------------------------------------------------------------------------------------------

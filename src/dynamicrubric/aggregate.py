@@ -12,14 +12,14 @@ within a set. With w_m the item weights and v_m the verdicts (hard by default, p
 R_anchor and Δgap use the `anchors` list whose list_id equals the prompt_id (rank 1 = best, equal
 ranks are ties and form no pair); both are null for a set without such a pair. soft=True uses p_yes
 wherever a verdict is used (scores, pass rates, R_disc). A set of one response has no pairs: tie rate
-0, uniform.
+0, uniform. The pointwise baseline is a rubric of one weight-1 item per response and takes the same path.
 
 R_disc is the variance of an item's verdicts over the K responses. With hard verdicts (0/1) that is
 the paper's v̄(1 − v̄) exactly. With soft verdicts v̄(1 − v̄) would also count the verifier's doubt
 about each response (law of total variance: v̄(1 − v̄) = Var_k(p) + mean_k p(1 − p)), and it rewards
 items the verifier cannot answer: with SmolLM2-135M as verifier the doubt term was 0.23 and the
-variance 0.002 (bench/results/evaluator_learns.json, the first run), so a generator trained on it
-learned nothing about telling responses apart. Var_k(p) keeps only what splits the responses. The pointwise baseline is a rubric of one weight-1 item per response and takes the same path.
+variance 0.002 (bench/results/evaluator_learns_vbar.json), so a generator trained on it learned
+nothing about telling responses apart. Var_k(p) keeps only what splits the responses.
 
 Everything runs on integer codes, without a Python loop over groups: prompts, rubrics, items and
 responses become dense codes, every (item, response) judgment owns exactly one "slot" in a ragged

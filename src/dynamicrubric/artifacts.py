@@ -259,12 +259,12 @@ def to_table(kind_name: str, data: pd.DataFrame | list[dict] | pa.Table) -> pa.T
         table = pa.Table.from_pylist(list(data)) if data else k.schema.empty_table()
     where = f"<in-memory {kind_name}>"
     _check_columns(table, k, where)
-    for fld in k.schema_of(table):
+    schema = k.schema_of(table)
+    for fld in schema:
         if not fld.nullable and table.column(fld.name).null_count:
             raise ArtifactError(
                 f"{where}: column {fld.name!r} has {table.column(fld.name).null_count} null(s)"
             )
-    schema = k.schema_of(table)
     try:
         return table.select(schema.names).cast(schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, ValueError) as e:
@@ -311,10 +311,11 @@ def read_artifact(uri: str, expected_kind: str | None = None) -> pa.Table:
         )
     k = KINDS[found_kind]
     validate_table(table, k, uri)
+    schema = k.schema_of(table)
     return (
         table.replace_schema_metadata(None)
-        .select(k.schema_of(table).names)
-        .cast(k.schema_of(table))
+        .select(schema.names)
+        .cast(schema)
         .replace_schema_metadata({KIND_KEY: k.name.encode(), VERSION_KEY: SCHEMA_VERSION.encode()})
     )
 
