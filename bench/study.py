@@ -559,8 +559,9 @@ def stage_seconds(result: dict[str, Any]) -> dict[str, dict[int, float]]:
 
 
 def write_step_plots(results: list[dict[str, Any]], dest: Path) -> list[Path]:
-    """Per-step curves of every variant: the policy trainer's reward, tie rate and Δgap, the evaluator
-    trainer's R_disc and R_anchor, and each round's held-out accuracy with its interval."""
+    """Per-step curves of every variant: the policy trainer's reward, tie rate, Δgap, KL, yes and parse
+    rates, the evaluator trainer's R_disc, R_anchor, KL, parse and yes rates, and each round's held-out
+    accuracy with its interval."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -571,10 +572,16 @@ def write_step_plots(results: list[dict[str, Any]], dest: Path) -> list[Path]:
         ("train-policy", "reward_mean", "policy reward (mean)"),
         ("train-policy", "signal/tie_rate", "tie rate of the policy's groups"),
         ("train-policy", "signal/mean_gap", "Δgap of the policy's groups"),
+        ("train-policy", "kl", "policy KL to the round's start"),
+        ("train-policy", "judge/yes_rate", "verifier yes rate (policy steps)"),
+        ("train-policy", "rubrics/parse_rate", "rubrics parsed (policy steps)"),
         ("train-evaluator", "rewards/r_disc/mean", "generator R_disc"),
         ("train-evaluator", "rewards/r_anchor/mean", "generator R_anchor"),
+        ("train-evaluator", "kl", "generator KL to the round's start"),
+        ("train-evaluator", "rubrics/parse_rate", "rubrics parsed (generator steps)"),
+        ("train-evaluator", "judge/yes_rate", "verifier yes rate (generator steps)"),
     ]
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    fig, axes = plt.subplots(3, 4, figsize=(20, 12))
     for ax, (trainer, name, title) in zip(axes.flat, panels, strict=False):
         for result in results:
             xs, ys = [], []
