@@ -9,9 +9,18 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import transformers.utils.logging  # noqa: E402
 from services import SeaweedS3  # noqa: E402
 
 from dynamicrubric import store  # noqa: E402
+
+# transformers gives its loggers one StreamHandler, bound to whatever sys.stderr is when transformers is
+# first imported. Imported first inside a test that uses capsys, that handler keeps the test's stream,
+# which is closed afterwards: every later transformers warning then prints a "--- Logging error ---"
+# traceback into the running test's output (test_bad_inputs checks that output has no traceback). Import
+# it and let it configure its handler here, before any test, so the handler holds pytest's session-wide
+# stream.
+transformers.utils.logging.get_logger()
 
 
 @pytest.fixture(scope="session", autouse=True)
