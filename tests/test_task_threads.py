@@ -29,3 +29,6 @@ def test_a_task_process_runs_torch_with_its_share(tmp_path):
     monitor = TaskMonitor(out=io.StringIO(), err=io.StringIO(), threads="1")
     assert monitor.run_task(command) == 0
     assert "threads 1 1" in (tmp_path / "task" / "task.log").read_text()
+    # a component that sets its own count (kfp's set_env_variable) keeps it
+    assert monitor.run_task(command, env_vars={"OMP_NUM_THREADS": "2"}) == 0
+    assert "threads 2 2" in (tmp_path / "task" / "task.log").read_text()

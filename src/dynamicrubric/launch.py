@@ -342,9 +342,9 @@ class TaskMonitor:
         folder.mkdir(parents=True, exist_ok=True)
         log_path = folder / "task.log"
         entry["log"] = str(log_path)
-        env = {**os.environ, **(env_vars or {}), logs.SUMMARY_ENV: "1"}
-        if self.threads:
-            env["OMP_NUM_THREADS"] = self.threads
+        # the share of cores over this process's own environment; a component's env_vars win over both
+        share = {"OMP_NUM_THREADS": self.threads} if self.threads else {}
+        env = {**os.environ, **share, **(env_vars or {}), logs.SUMMARY_ENV: "1"}
         started = time.monotonic()
         numbers: dict = {}
         tty = self.err.isatty()
