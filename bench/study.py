@@ -43,6 +43,7 @@ from bench.stats import bootstrap_mean, paired_units, unit_intervals
 from dynamicrubric import tasks, tracking
 from dynamicrubric.artifacts import read_frame, write_artifact
 from dynamicrubric.config import Config, _merge, load_config
+from dynamicrubric.evaluate import OUTCOMES_PREFIX
 
 HERE = Path(__file__).parent / "study"
 PLOTS = Path(__file__).parent.parent / "docs" / "results"  # per-variant plots for the report
@@ -360,7 +361,13 @@ def task_outputs(tasks_index: list[dict]) -> dict[tuple[str, str], dict[int, str
 
 def round_intervals(units: pd.DataFrame) -> dict[str, dict[str, dict]]:
     """Round -> "<variant>/<measure>" -> bootstrap interval over the units; plus for every round
-    after 0 the paired difference from round 0 on the same prompts and pairs ("Δ r0 ...")."""
+    after 0 the paired difference from round 0 on the same prompts and pairs ("Δ r0 ...").
+
+    Evaluator accuracy ("pair_soft", "pair_hard") is over the labelled pairs alone, the same set in
+    every round and variant; the pairs the evaluate stage adds from the policy's own held-out samples
+    change with P_t, so they get their own measure ("pair_soft_own", "pair_hard_own")."""
+    own = units["measure"].str.startswith("pair") & units["unit_id"].str.startswith(OUTCOMES_PREFIX)
+    units = units.assign(measure=units["measure"].where(~own, units["measure"] + "_own"))
     out: dict[str, dict[str, dict]] = {}
     for t, group in units.groupby("round", sort=True):
         out[str(t)] = unit_intervals(group)
@@ -370,10 +377,8 @@ def round_intervals(units: pd.DataFrame) -> dict[str, dict[str, dict]]:
             base = units[
                 (units["round"] == 0) & (units["variant"] == variant) & (units["measure"] == measure)
             ]
-            if measure == "win" or base.empty:
+            if measure == "win" or measure.endswith("_own") or base.empty:
                 continue
-            if measure.startswith("pair"):  # the fixed labelled pairs only: outcome lists change with P_t
-                now, base = (f[~f["unit_id"].str.startswith("outcomes:")] for f in (now, base))
             out[str(t)][f"Δr0/{variant}/{measure}"] = paired_units(now, base)
     return out
 
@@ -484,7 +489,7 @@ def summary_rows(results: list[dict[str, Any]]) -> list[dict[str, str]]:
     rows = []
     for result in results:
         v = result["variant"]
-        ev, audit = result["evaluate"]["intervals"], result["audit"]
+        ev, audit = round_intervals(units_frame(result)), result["audit"]  # the units are the record
         for t in sorted(ev, key=int):
             a = audit.get(t, {})
             label = "audit-after" if v == "dynamic" else "audit"
@@ -507,12 +512,7 @@ def summary_rows(results: list[dict[str, Any]]) -> list[dict[str, str]]:
 def variant_differences(results: list[dict[str, Any]]) -> list[dict[str, str]]:
     """Paired differences between variants at the last round, on the same held-out prompts (policy
     avg@k) and the same labelled pairs (evaluator accuracy, soft verdicts)."""
-    units = {
-        r["variant"]: pd.DataFrame(
-            r["evaluate"]["units"], columns=["round", "variant", "measure", "unit_id", "value"]
-        )
-        for r in results
-    }
+    units = {r["variant"]: units_frame(r) for r in results}
     rows = []
     names = list(units)
     for i, a in enumerate(names):
@@ -534,11 +534,18 @@ def variant_differences(results: list[dict[str, Any]]) -> list[dict[str, str]]:
     return rows
 
 
+def units_frame(result: dict[str, Any]) -> pd.DataFrame:
+    """A result's evaluate units (see `units_json`) as a frame."""
+    return pd.DataFrame(
+        result["evaluate"]["units"], columns=["round", "variant", "measure", "unit_id", "value"]
+    )
+
+
 def _pick(units: pd.DataFrame, t: int, variant: str, measure: str) -> pd.DataFrame:
     """One round's units of one variant and measure, without outcome-list pairs (they come from one
     policy's own samples, so two runs do not share them)."""
     f = units[(units["round"] == t) & (units["variant"] == variant) & (units["measure"] == measure)]
-    return f[~f["unit_id"].str.startswith("outcomes:")]
+    return f[~f["unit_id"].str.startswith(OUTCOMES_PREFIX)]
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

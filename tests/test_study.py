@@ -48,8 +48,12 @@ def test_round_intervals_pair_rounds_on_the_same_units():
     assert out["0"]["policy/avg_at_k"]["mean"] == 0.25 and out["1"]["policy/avg_at_k"]["n"] == 3
     assert out["1"]["Δr0/policy/avg_at_k"]["mean"] == pytest.approx(0.5 / 3)
     assert "Δr0/policy/win" not in out["1"]  # the win rate is against the previous round already
-    # outcome-list pairs come from each round's own samples: only the file pair is paired
+    # outcome-list pairs come from each round's own samples: accuracy and its change from round 0 are
+    # over the labelled (file) pairs, the own-sample pairs are a measure of their own
+    assert out["0"]["dynamic/pair_soft"] == {"mean": 0.0, "low": 0.0, "high": 0.0, "n": 1}
+    assert out["1"]["dynamic/pair_soft_own"] == {"mean": 0.0, "low": 0.0, "high": 0.0, "n": 1}
     assert out["1"]["Δr0/dynamic/pair_soft"] == {"mean": 1.0, "low": 1.0, "high": 1.0, "n": 1}
+    assert "Δr0/dynamic/pair_soft_own" not in out["1"]
 
 
 def _diagnostics(path, rows: list[tuple]) -> str:
@@ -122,6 +126,11 @@ def _result(variant: str, avg: list[float], pairs: list[float]) -> dict:
     if variant != "verifiable":
         units += [[1, variant, "pair_soft", f"file0:l{i}|0>1", v] for i, v in enumerate(pairs)]
         units += [[1, variant, "pair_hard", f"file0:l{i}|0>1", 0.5] for i in range(len(pairs))]
+        # a pair from the policy's own samples: not part of the labelled set's accuracy
+        units += [
+            [1, variant, "pair_soft", "outcomes:p0|1>0", 0.0],
+            [1, variant, "pair_hard", "outcomes:p0|1>0", 0.0],
+        ]
     frame = _units([tuple(u) for u in units])
     return {
         "variant": variant,
