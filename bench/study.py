@@ -565,6 +565,27 @@ def stage_seconds(result: dict[str, Any]) -> dict[str, dict[int, float]]:
     return table
 
 
+def step_split(result: dict[str, Any]) -> list[dict[str, str]]:
+    """Mean seconds per training step, and its split, per trainer and round. The policy's rubrics
+    and judge are the evaluator scoring its samples; the generator's generation is its rubric samples."""
+    parts = ("step", "generation", "rubrics", "judge", "update")
+    rows = []
+    for trainer, by_round in result["steps"].items():
+        for t, curves in sorted(by_round.items(), key=lambda kv: int(kv[0])):
+            means = {p: curves.get(f"time/{p}_s") for p in parts}
+            if not means["step"]:
+                continue
+            rows.append(
+                {
+                    "trainer": trainer,
+                    "round": t,
+                    "steps": str(len(means["step"])),
+                    **{f"{p} (s)": f"{sum(v) / len(v):.1f}" if v else "–" for p, v in means.items()},
+                }
+            )
+    return rows
+
+
 def write_step_plots(results: list[dict[str, Any]], dest: Path) -> list[Path]:
     """Per-step curves of every variant: the policy trainer's reward, tie rate, Δgap, KL, yes and parse
     rates, the evaluator trainer's R_disc, R_anchor, KL, parse and yes rates, and each round's held-out
@@ -644,6 +665,9 @@ def report(results: list[dict[str, Any]]) -> str:
         ]
         if audit_rows:
             out.append(markdown(audit_rows) + "\n")
+        split = step_split(result)
+        if split:
+            out.append(markdown(split) + "\n")
         seconds = stage_seconds(result)
         rounds = sorted({t for row in seconds.values() for t in row})
         rows = [

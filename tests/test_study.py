@@ -157,7 +157,16 @@ def _result(variant: str, avg: list[float], pairs: list[float]) -> dict:
         ],
         "evaluate": {"intervals": study.round_intervals(frame), "units": units},
         "audit": {"1": {"audit/tie_rate": {"mean": 0.5, "low": 0.25, "high": 0.75, "n": 4}}},
-        "steps": {"train-policy": {"1": {"reward_mean": [0.1, 0.2, 0.3]}}},
+        "steps": {
+            "train-policy": {
+                "1": {
+                    "reward_mean": [0.1, 0.2, 0.3],
+                    "time/step_s": [10.0, 20.0, 30.0],
+                    "time/generation_s": [1.0, 2.0, 3.0],
+                    "time/update_s": [5.0, 5.0, 5.0],
+                }
+            }
+        },
     }
 
 
@@ -173,6 +182,8 @@ def test_report_tables_carry_intervals_and_paired_differences(tmp_path):
     # same prompts, so the policy difference is paired: 0.25 and 0.5 -> mean 0.375
     assert "| dynamic − verifiable | 1 | 0.375 [0.250, 0.500] (n=2) | – |" in text
     assert "| train-policy | – | 100 |" in text and "| evaluate | 60 | – |" in text
+    # the per-step split: means over the round's steps, "–" for a part the trainer does not log
+    assert "| train-policy | 1 | 3 | 20.0 | 2.0 | – | – | 5.0 |" in text
     [png] = study.write_step_plots(results, tmp_path)
     assert png.read_bytes()[:4] == b"\x89PNG"
 
