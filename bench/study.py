@@ -359,6 +359,14 @@ def task_outputs(tasks_index: list[dict]) -> dict[tuple[str, str], dict[int, str
     return out
 
 
+def own_pairs_apart(units: pd.DataFrame) -> pd.DataFrame:
+    """The units with the pairs built from the policy's own samples (OUTCOMES_PREFIX) moved to a
+    measure of their own ("pair_soft" -> "pair_soft_own"): they change with P_t, so neither two rounds
+    nor two runs share them, and "pair_soft" is the labelled set alone."""
+    own = units["measure"].str.startswith("pair") & units["unit_id"].str.startswith(OUTCOMES_PREFIX)
+    return units.assign(measure=units["measure"].where(~own, units["measure"] + "_own"))
+
+
 def round_intervals(units: pd.DataFrame) -> dict[str, dict[str, dict]]:
     """Round -> "<variant>/<measure>" -> bootstrap interval over the units; plus for every round
     after 0 the paired difference from round 0 on the same prompts and pairs ("Δ r0 ...").
@@ -366,8 +374,7 @@ def round_intervals(units: pd.DataFrame) -> dict[str, dict[str, dict]]:
     Evaluator accuracy ("pair_soft", "pair_hard") is over the labelled pairs alone, the same set in
     every round and variant; the pairs the evaluate stage adds from the policy's own held-out samples
     change with P_t, so they get their own measure ("pair_soft_own", "pair_hard_own")."""
-    own = units["measure"].str.startswith("pair") & units["unit_id"].str.startswith(OUTCOMES_PREFIX)
-    units = units.assign(measure=units["measure"].where(~own, units["measure"] + "_own"))
+    units = own_pairs_apart(units)
     out: dict[str, dict[str, dict]] = {}
     for t, group in units.groupby("round", sort=True):
         out[str(t)] = unit_intervals(group)
@@ -512,7 +519,7 @@ def summary_rows(results: list[dict[str, Any]]) -> list[dict[str, str]]:
 def variant_differences(results: list[dict[str, Any]]) -> list[dict[str, str]]:
     """Paired differences between variants at the last round, on the same held-out prompts (policy
     avg@k) and the same labelled pairs (evaluator accuracy, soft verdicts)."""
-    units = {r["variant"]: units_frame(r) for r in results}
+    units = {r["variant"]: own_pairs_apart(units_frame(r)) for r in results}
     rows = []
     names = list(units)
     for i, a in enumerate(names):
@@ -542,10 +549,8 @@ def units_frame(result: dict[str, Any]) -> pd.DataFrame:
 
 
 def _pick(units: pd.DataFrame, t: int, variant: str, measure: str) -> pd.DataFrame:
-    """One round's units of one variant and measure, without outcome-list pairs (they come from one
-    policy's own samples, so two runs do not share them)."""
-    f = units[(units["round"] == t) & (units["variant"] == variant) & (units["measure"] == measure)]
-    return f[~f["unit_id"].str.startswith(OUTCOMES_PREFIX)]
+    """One round's units of one variant and measure."""
+    return units[(units["round"] == t) & (units["variant"] == variant) & (units["measure"] == measure)]
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
