@@ -572,10 +572,16 @@ def test_a_plain_user_gets_the_same_isolation(humaneval):
     problem = folder / "problem.json"
     problem.write_text(json.dumps(humaneval["HumanEval/0"]))
     problem.chmod(0o644)
+    # The checkout may sit where only root can enter (a clone in a mktemp folder is 0700), so the plain
+    # user imports a world-readable copy of the package.
+    package = folder / "src" / "dynamicrubric"
+    shutil.copytree(REPO / "src" / "dynamicrubric", package, ignore=shutil.ignore_patterns("__pycache__"))
+    for path in [folder / "src", *package.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
     script = textwrap.dedent(
         f"""
         import json, sys
-        sys.path.insert(0, {str(REPO / "src")!r})
+        sys.path.insert(0, {str(folder / "src")!r})
         from dynamicrubric.sandbox import check_humaneval, run_python
         problem = json.load(open({str(problem)!r}))
         r = run_python("import os; print(os.getuid(), sorted(p for p in os.listdir('/proc') if p.isdigit()))", timeout_s=10)
