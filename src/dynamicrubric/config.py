@@ -46,6 +46,21 @@ class ModelsConfig(Section):
     generator: str = "smollm2-135m-instruct"
     verifier: str = "smollm2-135m-instruct"
     enable_thinking: ThinkingConfig = ThinkingConfig()
+    # An OpenAI-compatible server that already serves this role's model (vLLM's `vllm serve`, a KServe
+    # InferenceService, a team's judge service): its base URL, e.g. http://judge.team:8000/v1. The role's
+    # model reference above still names the model (its tokenizer renders the prompts and the yes/no label
+    # ids). "": the training stages serve it themselves on `train_*.reward_gpus`, or load it in-process.
+    generator_url: str = ""
+    verifier_url: str = ""
+
+    @field_validator("generator_url", "verifier_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if value and not value.startswith(("http://", "https://")):
+            raise ValueError(
+                f"expected an http:// or https:// base URL of an OpenAI-compatible server, got {value!r}"
+            )
+        return value.rstrip("/")
 
 
 class EngineConfig(Section):
@@ -59,6 +74,24 @@ class EngineConfig(Section):
     # keeps its last tokens (the end of a chat prompt, where the question and the answer cue are) and
     # logs how many prompts were cut.
     long_prompts: Literal["error", "truncate"] = "error"
+
+
+class ServingConfig(Section):
+    """How the reward functions talk to the generator's and verifier's servers, and how a training task
+    starts its own (`vllm serve`, on the task's `reward_gpus`)."""
+
+    concurrency: int = Field(32, ge=1)  # requests in flight per server
+    request_prompts: int = Field(16, ge=1)  # prompts per /v1/completions request
+    request_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False)  # one HTTP request
+    # A request that times out, cannot connect or gets a 429/5xx is retried with exponential backoff until
+    # this many seconds after its first try; then its verdicts count as failed (never as 0).
+    deadline_s: float = Field(600.0, gt=0, allow_inf_nan=False)
+    # A training step whose groups lost verdicts above this share fails with one line naming the counts;
+    # below it, those groups get no reward (TRL leaves them out of the advantage).
+    max_failed_fraction: float = Field(0.05, ge=0, le=1)
+    start_timeout_s: float = Field(1800.0, gt=0, allow_inf_nan=False)  # until a started server is healthy
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # of each reward GPU, for weights + KV cache
+    max_model_len: int | None = Field(None, ge=16)  # None: the model's own context length
 
 
 class DataConfig(Section):
@@ -128,7 +161,11 @@ class TrainConfig(Section):
     bf16: bool | None = None  # None: on with CUDA, off on CPU (bf16 is ~3x slower without AVX-512)
     max_grad_norm: float = Field(1.0, gt=0)
     save_steps: int = Field(1, ge=1)  # steps between resumable trainer checkpoints in the store
-    world_size: int = Field(1, ge=1)  # training processes (one per GPU the task requests)
+    world_size: int = Field(1, ge=1)  # training processes (one per training GPU of the task)
+    # GPUs of the task's pod that serve the reward's models (G and V, `vllm serve`) instead of training;
+    # the task requests world_size + reward_gpus GPUs. 0: the reward loads its models in-process (CPU) or
+    # uses models.generator_url / verifier_url.
+    reward_gpus: int = Field(0, ge=0)
     torch_threads: int | None = Field(None, ge=1)  # None: torch's default
     seed: int = 0
 
@@ -230,6 +267,7 @@ class Config(Section):
     seed: int = 0
     models: ModelsConfig = ModelsConfig()
     engine: EngineConfig = EngineConfig()
+    serving: ServingConfig = ServingConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
     rubrics: RubricsConfig = RubricsConfig()
@@ -346,3 +384,16 @@ def config_from_yaml(text: str) -> Config:
     return cfg.model_copy(
         update={"engine": cfg.engine.model_copy(update={"tensor_parallel_size": int(value)})}
     )
+
+
+def reward_roles(stage: str) -> tuple[str, ...]:
+    """The models a training stage's reward calls: the policy's needs G_t's rubrics and V's verdicts, the
+    generator's (whose own samples are the rubrics) only V's."""
+    if stage not in ("train_policy", "train_evaluator"):
+        raise ConfigError(f"reward_roles: {stage!r} is not a training stage")
+    return ("generator", "verifier") if stage == "train_policy" else ("verifier",)
+
+
+def served_roles(cfg: Config, stage: str) -> tuple[str, ...]:
+    """The reward models a training task serves itself on its `reward_gpus`: those without a URL."""
+    return tuple(r for r in reward_roles(stage) if not getattr(cfg.models, f"{r}_url"))
