@@ -34,7 +34,10 @@ class Section(BaseModel):
 class ThinkingConfig(Section):
     """`enable_thinking` passed to each role's chat template (Qwen3-style thinking models)."""
 
-    policy: bool | None = None  # None: the template's own default
+    # Off: a thinking block spends the policy's token budget (rollout.max_new_tokens) before the answer
+    # the reward reads. None: the template's own default (Qwen3's is on); templates without the switch
+    # ignore it.
+    policy: bool | None = False
     generator: bool = False  # constrained rubrics leave no room for a thinking block
     verifier: bool = False  # P(yes) is read at the first token of the answer
 
