@@ -326,6 +326,37 @@ def _step_split_callback(timer: _Generate):
     return StepSplit()
 
 
+def process_device() -> torch.device:
+    """The device this process was given: its GPU (cuda:LOCAL_RANK) with CUDA, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def check_device(stage: str, model: torch.nn.Module, expected: torch.device) -> None:
+    """Refuse, in one line, a model whose parameters are not on `expected` (e.g. a GPU run that a
+    stray ACCELERATE_USE_CPU put on the CPU: it would train, only a hundred times slower)."""
+    found = sorted({str(p.device) for p in model.parameters()} - {str(expected)})
+    if found:
+        raise RuntimeError(
+            f"{stage}: the model's parameters are on {', '.join(found)}, not on {expected}, the device this "
+            "process was given: check the launch (accelerate's --cpu / ACCELERATE_USE_CPU on a GPU machine)"
+        )
+
+
+def _device_check_callback(stage: str):
+    from transformers import TrainerCallback
+
+    class DeviceCheck(TrainerCallback):
+        """Checks the model's device once the trainer has placed it: at train begin, because under FSDP
+        the model is only moved and sharded by accelerator.prepare inside train(), not when built."""
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            check_device(stage, model, process_device())
+
+    return DeviceCheck()
+
+
 # --------------------------------------------------------------------------------------------------
 # Trainer checkpoints in the store
 
@@ -506,7 +537,11 @@ def _grpo(
         train_dataset=Dataset.from_dict(dataset),
         processing_class=tokenizer,
         peft_config=_lora_config(tcfg) if tcfg.lora_rank else None,
-        callbacks=[_checkpoint_callback(work_uri), _step_split_callback(timer)],
+        callbacks=[
+            _device_check_callback(stage),
+            _checkpoint_callback(work_uri),
+            _step_split_callback(timer),
+        ],
     )
     started = time.perf_counter()
     trainer.train(resume_from_checkpoint=_resume_point(work_uri, scratch))
@@ -593,7 +628,8 @@ def accelerate_config(world_size: int) -> Path | None:
 
 
 def launch_command(world_size: int, args: list[str]) -> list[str]:
-    """`accelerate launch` of this module with `world_size` processes (CPU: --cpu, gloo)."""
+    """`accelerate launch` of this module with `world_size` processes: one per GPU with CUDA (FSDP for
+    several), else CPU processes (--cpu for one, gloo for several)."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(world_size)]
     cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     fsdp = accelerate_config(world_size)
@@ -603,7 +639,8 @@ def launch_command(world_size: int, args: list[str]) -> list[str]:
         # torchrun-style processes; without CUDA each one runs on the CPU (TRL's use_cpu) with gloo.
         # (accelerate's --cpu with several processes means an MPI launch, which is not installed.)
         cmd += ["--multi_gpu"]
-    else:
+    elif not torch.cuda.is_available():
+        # Only without CUDA: --cpu exports ACCELERATE_USE_CPU, which would put a one-GPU run on the CPU.
         cmd += ["--cpu"]
     return cmd + ["-m", "dynamicrubric.train", *args]
 
