@@ -9,10 +9,17 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
-from dynamicrubric import train
+from dynamicrubric import store, train
+from dynamicrubric.models import resolve_model
 
 
 def test_launch_command_has_cpu_only_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -35,3 +42,55 @@ def test_a_model_on_the_wrong_device_is_refused() -> None:
         train.check_device("train-policy", model, torch.device("cuda", 0))
     with pytest.raises(RuntimeError, match="are on meta, not on cpu"):
         train.check_device("train-policy", model.to("meta"), torch.device("cpu"))
+
+
+# Each process imports everything, says it is ready, and resolves only once the test says go, so that
+# both ask for the model at the same moment. Counting store.download_dir calls wraps the real function
+# (the real download still runs): the count is what the store served, not a stand-in.
+_RESOLVE_SCRIPT = """
+import sys, time
+from pathlib import Path
+from dynamicrubric import store, train
+
+real = store.download_dir
+def counted(uri, local):
+    print("download", uri, flush=True)
+    return real(uri, local)
+store.download_dir = counted
+ready, go = Path(sys.argv[2]), Path(sys.argv[3])
+ready.touch()
+while not go.exists():
+    time.sleep(0.01)
+print("folder", train.resolve_model_ref(sys.argv[1]), flush=True)
+"""
+
+
+def test_processes_resolving_one_s3_model_download_it_once(s3_env: str, tmp_path: Path) -> None:
+    uri = f"s3://{s3_env}/models/tiny"
+    store.upload_dir(resolve_model("tiny-random"), uri)
+    env = {**os.environ, "DYNRUBRIC_CACHE": str(tmp_path / "cache")}
+    go = tmp_path / "go"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RESOLVE_SCRIPT, uri, str(tmp_path / f"ready-{i}"), str(go)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"ready-{i}").exists() for i in range(2)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "a process did not start"
+        time.sleep(0.05)
+    go.touch()
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    stdout = "".join(out for out, _ in outs)
+    assert stdout.count("download ") == 1, stdout
+    folders = {line.split(" ", 1)[1] for line in stdout.splitlines() if line.startswith("folder ")}
+    assert len(folders) == 1
+    (folder,) = folders
+    assert (Path(folder) / store.COMPLETE_MARKER).is_file() and (Path(folder) / "config.json").is_file()
+    assert sorted(p.name for p in Path(folder).parent.iterdir()) == [Path(folder).name]  # no temp folder left

@@ -14,12 +14,14 @@ A reference is one of:
   marker), fetched once into `cache_dir()`: how pipeline tasks on a cluster read base weights that
   the pipeline's first task staged (`stage_models`), instead of each task downloading from the hub.
 
-Builds are atomic (a temporary folder renamed into place) and serialised by a file lock in the
-cache, so concurrent processes that prepare the same model build it once and the others wait.
+Builds and downloads are atomic (a temporary folder renamed into place) and serialised by a file lock
+in the cache, so concurrent processes that prepare the same model build or fetch it once and the others
+wait.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -32,7 +34,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from dynamicrubric import store
@@ -132,27 +134,42 @@ def _from_hub(repo_id: str) -> Path:
 
 
 def _from_store(uri: str) -> Path:
-    """Download a complete model folder from the object store into the cache once (atomic rename)."""
+    """Download a complete model folder from the object store into the cache once.
+
+    Every process of a task (one per GPU) resolves the same references at the same time: under the
+    cache's lock one downloads and the others wait, then find it complete (an 8B model is 16 GB)."""
     final = cache_dir() / "staged" / hashlib.sha256(uri.encode()).hexdigest()[:16]
     if (final / store.COMPLETE_MARKER).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
+    with _cache_lock(final.parent):
+        if (final / store.COMPLETE_MARKER).is_file():  # another process downloaded it while we waited
+            return final
+        log.info("%s: downloading into %s", uri, final)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
         try:
-            store.download_dir(uri, tmp)  # refuses a folder without its _COMPLETE marker
-        except store.StoreError as e:
-            raise ModelError(f"staged model {uri}: {e}") from e
-        if not (tmp / "config.json").is_file():
-            raise ModelError(f"staged model {uri} has no config.json: not a Hugging Face model folder")
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process in this pod finished the same download first
-            if not (final / store.COMPLETE_MARKER).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                store.download_dir(uri, tmp)  # refuses a folder without its _COMPLETE marker
+            except store.StoreError as e:
+                raise ModelError(f"staged model {uri}: {e}") from e
+            if not (tmp / "config.json").is_file():
+                raise ModelError(f"staged model {uri} has no config.json: not a Hugging Face model folder")
+            os.rename(tmp, final)  # atomic: a crash mid-download leaves no half folder behind
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+@contextlib.contextmanager
+def _cache_lock(folder: Path) -> Iterator[None]:
+    """An exclusive lock on a cache folder, held for the block. The lock is on the folder itself, so
+    nothing is left behind, and the kernel drops it if the holder dies."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 # --------------------------------------------------------------------------------------------------
@@ -227,11 +244,8 @@ def prepare_model(name: str) -> Path:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     # One builder at a time per cache (parallel shards would each spend ~40 s building SmolLM2): the
-    # others wait on the lock and then find the folder. The lock is on the cache folder itself, so
-    # nothing is left behind; the rename below keeps a crash mid-build safe.
-    lock = os.open(final.parent, os.O_RDONLY)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    # others wait on the lock and then find the folder; the rename below keeps a crash mid-build safe.
+    with _cache_lock(final.parent):
         if (final / "config.json").is_file():
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=final.parent))
@@ -244,8 +258,6 @@ def prepare_model(name: str) -> Path:
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    finally:
-        os.close(lock)  # releases the lock
     return final
 
 

@@ -240,25 +240,10 @@ def _already_done(out_uri: str, metrics_uri: str | None) -> dict:
 
 
 def resolve_model_ref(ref: str) -> Path:
-    """A local HF folder for `ref`: a store URI of a checkpoint (s3:// is fetched once into the cache),
-    a local folder, or anything `models.resolve_model` takes."""
-    from dynamicrubric.models import cache_dir, resolve_model
+    """A local HF folder for `ref`: a store URI of a checkpoint, a local folder, or anything
+    `models.resolve_model` takes (which fetches an s3:// folder once into the cache, under its lock)."""
+    from dynamicrubric.models import resolve_model
 
-    if store.is_s3(ref):
-        dest = cache_dir() / "checkpoints" / hashlib.sha256(ref.encode()).hexdigest()[:16]
-        if not (dest / store.COMPLETE_MARKER).is_file():
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
-            try:
-                store.download_dir(ref, tmp)  # refuses an incomplete checkpoint
-                try:
-                    os.rename(tmp, dest)
-                except OSError:  # another process finished the same download first
-                    if not (dest / store.COMPLETE_MARKER).is_file():
-                        raise
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-        return dest
     if ref.startswith("file://"):
         ref = str(store.local_path(ref))
     return resolve_model(ref)
