@@ -163,10 +163,12 @@ def build_pipeline(cfg: Config):
     """The pipeline function for `cfg` (its rounds, shards, variant and image are fixed here)."""
     for stage, tcfg in (("train_policy", cfg.train_policy), ("train_evaluator", cfg.train_evaluator)):
         gpus = cfg.pipeline.resources[stage].gpus if stage in cfg.pipeline.resources else 0
-        if gpus and gpus != tcfg.world_size:
+        # Config checks this too where engine is vllm (config.check_gpu_memory_plan); here for any engine.
+        if gpus and gpus != tcfg.world_size + tcfg.reward_gpus:
             raise ConfigError(
-                f"{stage}.world_size is {tcfg.world_size} but pipeline.resources.{stage}.gpus is {gpus}: "
-                "the training task runs one process per GPU it requests"
+                f"pipeline.resources.{stage}.gpus is {gpus} but {stage}.world_size {tcfg.world_size} + "
+                f"reward_gpus {tcfg.reward_gpus} = {tcfg.world_size + tcfg.reward_gpus}: the training task "
+                "runs one process per training GPU and serves the reward's models on the others"
             )
     c = stages.build(cfg.pipeline.image, cfg.pipeline.cpu_image)
     rounds, shards = cfg.pipeline.rounds, cfg.pipeline.shards

@@ -275,16 +275,24 @@ def test_a_misconfigured_run_fails_before_training(tmp_path):
 
 
 def test_paper_preset_launches_one_process_per_gpu():
+    """One process per training GPU: the task's other reward_gpus serve the reward's models."""
     cfg = load_config(preset="paper")
-    cmd = train.launch_command(cfg.train_policy.world_size, ["train-policy"])
-    assert cmd[cmd.index("--num_processes") + 1] == "8"
-    assert cfg.pipeline.resources["train_policy"].gpus == cfg.train_policy.world_size == 8
+    tcfg = cfg.train_policy
+    cmd = train.launch_command(tcfg.world_size, ["train-policy"])
+    assert cmd[cmd.index("--num_processes") + 1] == "6"
+    assert cfg.pipeline.resources["train_policy"].gpus == tcfg.world_size + tcfg.reward_gpus == 6 + 2
     from dynamicrubric.config import ConfigError
     from dynamicrubric.pipelines.co_evolution import build_pipeline
 
-    bad = load_config(preset="paper", overrides={"train_policy": {"world_size": 4}})
-    with pytest.raises(ConfigError, match="one process per GPU"):
-        build_pipeline(bad)
+    # refused when the config loads (vLLM's GPU memory plan) ...
+    with pytest.raises(ConfigError, match=r"gpus is 8 but train_policy.world_size 4 \+ reward_gpus 2 = 6"):
+        load_config(preset="paper", overrides={"train_policy": {"world_size": 4}})
+    # ... and, for any engine, when the pipeline compiles
+    hf = load_config(
+        preset="paper", overrides={"engine": {"engine": "hf"}, "train_policy": {"world_size": 4}}
+    )
+    with pytest.raises(ConfigError, match="one process per training GPU"):
+        build_pipeline(hf)
 
 
 def test_two_cpu_processes_score_whole_groups(tmp_path):
