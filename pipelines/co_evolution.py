@@ -47,10 +47,18 @@ MODEL_STAGES = ("stage_models", "rollout", "rubrics", "judge", "train_evaluator"
 CACHE_MOUNT = "/model-cache"
 RETRY_BACKOFF = {"backoff_duration": "60s", "backoff_factor": 2.0, "backoff_max_duration": "1800s"}
 # Stages that run policy-generated code in the sandbox (outcome ranking, HumanEval, the verifiable
-# reward). Their pods carry this label, which the cluster's policies in manifests/cluster/gvisor use
-# to run them under gVisor.
+# reward). Their CPU pods carry this label, which the cluster's policies in manifests/cluster/gvisor use
+# to run them under gVisor. A task of theirs that requests GPUs (evaluate and train-policy in the paper
+# preset) is not labelled: gVisor would pin it to gVisor nodes, and a normal GPU pool has none, so it
+# would stay Pending. Its code still runs in the namespace sandbox (src/dynamicrubric/sandbox.py),
+# which refuses to run where the pod may not make namespaces.
 CODE_STAGES = frozenset({"candidates", "aggregate", "evaluate", "train_policy"})
 RUNS_CODE_LABEL = ("dynamicrubric.io/runs-code", "true")
+
+
+def runs_in_gvisor(cfg: Config, stage: str) -> bool:
+    """Whether the stage's tasks carry RUNS_CODE_LABEL: they run code and request no GPU."""
+    return stage in CODE_STAGES and not cfg.pipeline.stage_resources(stage).gpus
 
 
 def pipeline_variant(cfg: Config) -> str:
@@ -152,7 +160,7 @@ def _configure(cfg: Config, stage: str) -> Callable[[dsl.PipelineTask, str], dsl
             kubernetes.use_secret_as_env(task, p.s3_secret, {k: k for k in S3_ENV}, optional=True)
         if p.image_pull_secrets:
             kubernetes.set_image_pull_secrets(task, list(p.image_pull_secrets))
-        if stage in CODE_STAGES:
+        if runs_in_gvisor(cfg, stage):
             kubernetes.add_pod_label(task, *RUNS_CODE_LABEL)
         return task
 

@@ -1,8 +1,9 @@
 """The cluster-side isolation for pods that run policy-generated code (manifests/cluster/gvisor).
 
 The objects render with kustomize and validate strictly against the Kubernetes 1.32 schemas; the
-policies select exactly the pods the pipeline labels; the pipeline labels exactly the stages that run
-code in the sandbox; and the mutation and the validation agree on the RuntimeClass's name.
+policies select exactly the pods the pipeline labels; the pipeline labels exactly the CPU stages that
+run code in the sandbox (never a GPU task: gVisor would pin it to gVisor nodes, which a normal GPU pool
+lacks); and the mutation and the validation agree on the RuntimeClass's name.
 """
 
 from __future__ import annotations
@@ -15,7 +16,12 @@ import yaml
 from test_manifests import MANIFESTS, kustomize, schema_errors
 
 from dynamicrubric.config import load_config
-from dynamicrubric.pipelines.co_evolution import CODE_STAGES, RUNS_CODE_LABEL, compile_pipeline
+from dynamicrubric.pipelines.co_evolution import (
+    CODE_STAGES,
+    RUNS_CODE_LABEL,
+    compile_pipeline,
+    runs_in_gvisor,
+)
 
 GVISOR = MANIFESTS / "cluster" / "gvisor"
 
@@ -76,3 +82,39 @@ def test_the_pipeline_labels_exactly_the_stages_that_run_code(tmp_path: Path):
         else:
             assert stage not in CODE_STAGES, name
     assert labelled == set(CODE_STAGES)
+
+
+def _executors(out: str) -> tuple[dict, dict]:
+    """The compiled package's executors: container specs and their Kubernetes settings."""
+    spec, platform = yaml.safe_load_all(Path(out).read_text())
+    return spec["deploymentSpec"]["executors"], platform["platforms"]["kubernetes"]["deploymentSpec"][
+        "executors"
+    ]
+
+
+def test_no_gpu_task_is_sent_to_gvisor_nodes(tmp_path: Path):
+    """The paper preset's GPU tasks (train-policy and evaluate run code) must schedule on a normal GPU
+    pool: no runs-code label (the policies would set the gVisor RuntimeClass, whose scheduling pins the
+    pod to gVisor nodes) and no gVisor node selector or toleration; a CPU code stage keeps the label."""
+    cfg = load_config(preset="paper")
+    out = compile_pipeline(cfg, str(tmp_path / "p.yaml"))
+    containers, k8s = _executors(out)
+    key, value = RUNS_CODE_LABEL
+    runtime = yaml.safe_load((GVISOR / "runtimeclass.yaml").read_text())["scheduling"]
+    gvisor_keys = set(runtime["nodeSelector"]) | {t["key"] for t in runtime["tolerations"]}
+    gpu_code_tasks = labelled = 0
+    for name, container in containers.items():
+        stage = re.sub(r"-\d+$", "", name.removeprefix("exec-")).replace("-", "_")
+        pod = k8s.get(name, {})
+        has_label = pod.get("podMetadata", {}).get("labels", {}).get(key) == value
+        if container["container"].get("resources", {}).get("accelerator"):
+            gpu_code_tasks += stage in CODE_STAGES
+            assert not has_label, name
+            assert not gvisor_keys & set(pod.get("nodeSelector", {}).get("labels", {})), name
+            assert not gvisor_keys & {t.get("key") for t in pod.get("tolerations", [])}, name
+        elif stage in CODE_STAGES:
+            labelled += 1
+            assert has_label, name
+    assert gpu_code_tasks == 2 * cfg.pipeline.rounds  # train-policy and evaluate each round
+    assert labelled > 0  # candidates and aggregate still run under gVisor
+    assert {s for s in CODE_STAGES if runs_in_gvisor(cfg, s)} == {"candidates", "aggregate"}
