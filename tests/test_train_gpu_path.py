@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_train import _cfg, _train_policy
 
 from dynamicrubric import store, train
 from dynamicrubric.models import resolve_model
@@ -94,3 +95,27 @@ def test_processes_resolving_one_s3_model_download_it_once(s3_env: str, tmp_path
     (folder,) = folders
     assert (Path(folder) / store.COMPLETE_MARKER).is_file() and (Path(folder) / "config.json").is_file()
     assert sorted(p.name for p in Path(folder).parent.iterdir()) == [Path(folder).name]  # no temp folder left
+
+
+def test_two_processes_gather_the_final_weights_on_every_rank(tmp_path: Path, capfd) -> None:
+    """A 2-process gloo run with LoRA writes one merged checkpoint, and both ranks took part in the
+    gather. accelerate cannot run FSDP on CPU processes (its FSDP type is only set on accelerators), so
+    this cannot show the FSDP2 hang itself; it shows every rank calls the gather, which under FSDP2 is
+    the collective that rank 0 alone would wait on forever."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = _cfg(
+        train_policy={"micro_batch_size": 2, "world_size": 2, "lora_rank": 4, "lora_alpha": 8},
+        judge={"variant": "pointwise"},  # soft scores: groups are not tied, so the step has a gradient
+        aggregate={"soft": True},
+    )
+    _train_policy(cfg, tmp_path)
+    err = capfd.readouterr().err
+    for rank in (0, 1):
+        assert f"rank {rank}: gathered the trained weights" in err, err[-3000:]
+    assert store.is_complete(str(tmp_path / "policy"))
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
+    assert not any("lora" in name for name, _ in trained.named_parameters())
+    start = AutoModelForCausalLM.from_pretrained(resolve_model("tiny-random"))
+    changed = [n for n, p in trained.named_parameters() if not torch.equal(p, start.get_parameter(n))]
+    assert changed, "the merged checkpoint equals the starting model: the LoRA update was lost"

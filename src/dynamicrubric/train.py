@@ -533,10 +533,11 @@ def _grpo(
     rows = metric_rows(trainer.state.log_history, stage, round_idx, variant)
     final = _final_values(rows)
     final["train_wall_s"] = time.perf_counter() - started
+    weights = _gather_weights(trainer)  # on every rank: a collective under FSDP
     if state.is_main_process:
         if metrics_uri:
             write_artifact(metrics_uri, "metrics", rows)
-        _write_checkpoint(trainer, path, tcfg, tokenizer, out_uri, stage, round_idx, model_ref, final, rows)
+        _write_checkpoint(weights, path, tcfg, tokenizer, out_uri, stage, round_idx, model_ref, final, rows)
         store.delete_dir(work_uri)  # the trainer checkpoints (and, locally, the scratch folder inside)
         shutil.rmtree(scratch, ignore_errors=True)
     state.wait_for_everyone()
@@ -576,17 +577,44 @@ def _final_values(rows: list[dict]) -> dict:
     return {r["name"]: r["value"] for r in rows if r["step"] == last}
 
 
+def _gather_weights(trainer) -> dict[str, torch.Tensor]:
+    """The trained model's full state dict; every rank must call this. Under FSDP2 it is a collective
+    (each rank sends its shards, rank 0 receives the whole model, the others get nothing), so a call on
+    rank 0 alone waits forever for ranks that already wait at the end-of-training barrier.
+
+    accelerate runs FSDP only on accelerators (its FSDP type is set for MULTI_GPU/XPU/NPU/..., never
+    MULTI_CPU), so the CPU tests cannot shard; they check instead that this runs on every rank, by the
+    line it logs."""
+    state_dict = trainer.accelerator.get_state_dict(trainer.model)
+    log.info(
+        "rank %d: gathered the trained weights (%d tensors here)",
+        trainer.accelerator.process_index,
+        len(state_dict),
+    )
+    return state_dict
+
+
 def _write_checkpoint(
-    trainer, path, tcfg, tokenizer, out_uri, stage, round_idx, model_ref, final, rows
+    weights, path, tcfg, tokenizer, out_uri, stage, round_idx, model_ref, final, rows
 ) -> None:
-    """A plain HF folder: the trained model (LoRA merged in) in the starting dtype, and a summary."""
-    model = trainer.accelerator.unwrap_model(trainer.model)
+    """A plain HF folder: the trained model (LoRA merged in) in the starting dtype, and a summary.
+
+    Rank 0 alone, so nothing here may be a collective: the gathered weights are loaded into a fresh
+    copy of the starting model on the CPU (never the sharded module, whose merge or dtype change would
+    need the other ranks), and LoRA is merged there."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=_saved_dtype(path))
+    if tcfg.lora_rank:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, _lora_config(tcfg))
+    model.load_state_dict(weights)  # strict: a key the trainer's model had and this one lacks is an error
     if tcfg.lora_rank:
         model = model.merge_and_unload()
     with tempfile.TemporaryDirectory(dir=_scratch(out_uri).parent) as tmp:
         folder = Path(tmp) / "export"
-        state_dict = trainer.accelerator.get_state_dict(trainer.model) if not tcfg.lora_rank else None
-        model.to(_saved_dtype(path)).save_pretrained(folder, state_dict=state_dict)
+        model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         summary = {
             "stage": stage,
