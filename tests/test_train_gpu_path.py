@@ -9,7 +9,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -17,10 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import _cfg, _train_policy
+from safetensors.torch import load_file
+from test_train import _cfg, _prompts, _train_policy
 
 from dynamicrubric import store, train
-from dynamicrubric.models import resolve_model
+from dynamicrubric.models import cache_dir, resolve_model
 
 
 def test_launch_command_has_cpu_only_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -119,3 +123,101 @@ def test_two_processes_gather_the_final_weights_on_every_rank(tmp_path: Path, ca
     start = AutoModelForCausalLM.from_pretrained(resolve_model("tiny-random"))
     changed = [n for n, p in trained.named_parameters() if not torch.equal(p, start.get_parameter(n))]
     assert changed, "the merged checkpoint equals the starting model: the LoRA update was lost"
+
+
+def test_a_pod_paths_trainer_checkpoints_go_to_the_object_store() -> None:
+    """On a cluster out_uri is the pod's mount /s3/b/k, which is uploaded only when the task succeeds:
+    the resumable checkpoints must go to s3://b/k.work itself, with the scratch in the local cache."""
+    assert train._work_uri("/s3/bucket/runs/r1/policy") == "s3://bucket/runs/r1/policy.work"
+    assert train._work_uri("/minio/bucket/policy/") == "s3://bucket/policy.work"
+    assert train._work_uri("s3://bucket/policy") == "s3://bucket/policy.work"
+    assert train._work_uri("/tmp/run/policy") == "/tmp/run/policy.work"  # a local run keeps it beside
+    scratch = train._scratch("/s3/bucket/runs/r1/policy")
+    assert scratch.is_relative_to(cache_dir() / "train-work")
+    assert scratch == train._scratch("s3://bucket/runs/r1/policy")  # the same store folder, one scratch
+
+
+def test_a_resume_for_another_run_or_with_no_steps_left_is_refused(s3_env: str, tmp_path: Path) -> None:
+    cfg = _cfg(train_policy={"steps": 4})
+    work = f"s3://{s3_env}/policy.work"
+    origin = train.checkpoint_origin("tiny-random", cfg.train_policy)
+    folder = tmp_path / "checkpoint-00002"
+    folder.mkdir()
+    (folder / "trainer_state.json").write_text("{}")
+    store.upload_dir(folder, f"{work}/checkpoint-00001")  # an older one records nothing: never looked at
+    (folder / train.RESUME_INFO).write_text(json.dumps(origin))
+    store.upload_dir(folder, f"{work}/checkpoint-00002")
+    assert train._resume_point("train-policy", work, origin, 4) == f"{work}/checkpoint-00002"
+    # raising steps continues the run: steps is not part of the digest
+    longer = _cfg(train_policy={"steps": 8}).train_policy
+    assert train.checkpoint_origin("tiny-random", longer) == origin
+
+    def refused(origin: dict, steps: int) -> str:
+        with pytest.raises(ValueError) as e:
+            train._resume_point("train-policy", work, origin, steps)
+        assert "\n" not in str(e.value) and f"delete {work} to start over" in str(e.value)
+        return str(e.value)
+
+    assert "at step 2 and the config asks for steps=2: resuming would train no more steps" in refused(
+        origin, 2
+    )
+    other_model = train.checkpoint_origin(str(resolve_model("tiny-random")), cfg.train_policy)
+    assert "was written for model 'tiny-random'" in refused(other_model, 4)
+    other_config = _cfg(train_policy={"steps": 4, "learning_rate": 1e-4}).train_policy
+    assert "with train config" in refused(train.checkpoint_origin("tiny-random", other_config), 4)
+    (folder / train.RESUME_INFO).unlink()
+    store.upload_dir(folder, f"{work}/checkpoint-00003")
+    assert "does not record the model and config" in refused(origin, 4)
+
+
+@pytest.mark.slow  # three launches: about 90 s on 2 busy cores
+def test_a_killed_task_resumes_in_a_fresh_scratch_from_its_s3_work_prefix(
+    s3_env: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd
+) -> None:
+    """Killed after its step-2 checkpoint reached SeaweedFS, the task reruns as a retried pod would:
+    another node, an empty cache and scratch. It resumes from s3://…/policy.work and ends with the
+    weights of an uninterrupted run."""
+    # 8 prompts, 2 a step: 4 steps stay inside one pass over the pool (see test_train's sigkill test).
+    cfg = _cfg(train_policy={"steps": 4, "save_steps": 2}, data={"num_prompts": 8})
+    (tmp_path / "whole").mkdir()
+    _train_policy(cfg, tmp_path / "whole")
+
+    out_uri = f"s3://{s3_env}/run/policy"
+    folder = tmp_path / "killed"
+    folder.mkdir()
+    config = folder / "config.yaml"
+    config.write_text(cfg.to_yaml())
+    args = ["train-policy", "--config", str(config), "--prompts-uri", _prompts(folder, cfg), "--policy",
+            "tiny-random", "--generator", "tiny-random", "--out-uri", out_uri, "--steps-uri",
+            str(folder / "steps"), "--round-idx", "1"]  # fmt: skip
+    first_cache = tmp_path / "first-pod-cache"
+    env = {**os.environ, train.STALL_ENV: "2", "DYNRUBRIC_CACHE": str(first_cache)}
+    proc = subprocess.Popen(
+        train.launch_command(1, args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 600
+    for line in proc.stdout:
+        if "stalled after step 2" in line or time.monotonic() > deadline:
+            break
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert store.is_complete(f"{out_uri}.work/checkpoint-00002")
+    assert not store.is_complete(out_uri)
+    shutil.rmtree(first_cache)  # the first pod's node-local scratch is gone with it
+
+    monkeypatch.setenv("DYNRUBRIC_CACHE", str(tmp_path / "second-pod-cache"))
+    capfd.readouterr()
+    train.launch(
+        "train-policy", cfg, prompts_uri=str(folder / "prompts.parquet"), policy="tiny-random",
+        generator="tiny-random", out_uri=out_uri, steps_uri=str(folder / "steps"), round_idx=1,
+    )  # fmt: skip
+    # a rerun from step 0 would end with the same weights too: it must say it resumed from the store
+    assert f"resuming from {out_uri}.work/checkpoint-00002" in capfd.readouterr().err
+    for step in (3, 4):  # the resumed steps sampled exactly what the uninterrupted run did
+        rel = Path("steps") / f"step-{step:05d}" / "rollouts.parquet"
+        assert (tmp_path / "whole" / rel).read_bytes() == (folder / rel).read_bytes(), rel
+    a = load_file(str(tmp_path / "whole" / "policy" / "model.safetensors"))
+    b = load_file(str(store.download_dir(out_uri, tmp_path / "result") / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not store.list_files(f"{out_uri}.work")  # trainer checkpoints cleaned up

@@ -64,6 +64,7 @@ from dynamicrubric.config import Config, TrainConfig
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "dynamicrubric_train.json"
+RESUME_INFO = "dynamicrubric_resume.json"  # beside each stored trainer checkpoint: the run that wrote it
 # Test hook: with DYNRUBRIC_TEST_STALL_AFTER_STEP=k the process prints "stalled after step k" and sleeps
 # once the step-k trainer checkpoint is in the store, so a test can kill it provably mid-run.
 STALL_ENV = "DYNRUBRIC_TEST_STALL_AFTER_STEP"
@@ -347,16 +348,38 @@ def _device_check_callback(stage: str):
 
 
 def _work_uri(out_uri: str) -> str:
-    return out_uri.rstrip("/") + ".work"
+    """Where the resumable trainer checkpoints go: `<out>.work`, in the object store itself when
+    `out_uri` is a pod's path to it (/s3/b/k is s3://b/k). The pod path is pod-local and uploaded only
+    when the task succeeds, so a retried pod would never see checkpoints written there."""
+    from dynamicrubric.tracking import POD_PREFIXES, artifact_uri
+
+    base = out_uri.rstrip("/")
+    if base.startswith(tuple(POD_PREFIXES)) and store.is_s3(artifact_uri(base)):
+        base = artifact_uri(base)
+    return base + ".work"
 
 
 def _scratch(out_uri: str) -> Path:
-    """Local folder for TRL's output_dir: beside a local output, in the cache for an S3 one."""
-    if store.is_s3(out_uri):
+    """Local folder for TRL's output_dir: beside a local output, in the cache when the trainer
+    checkpoints go to the object store (the cache is node-local scratch; a retried pod gets a new one)."""
+    work_uri = _work_uri(out_uri)
+    if store.is_s3(work_uri):
         from dynamicrubric.models import cache_dir
 
-        return cache_dir() / "train-work" / hashlib.sha256(out_uri.encode()).hexdigest()[:16]
-    return store.local_path(_work_uri(out_uri)) / "scratch"
+        return cache_dir() / "train-work" / hashlib.sha256(work_uri.encode()).hexdigest()[:16]
+    return store.local_path(work_uri) / "scratch"
+
+
+def checkpoint_origin(model_ref: str, tcfg: TrainConfig) -> dict[str, str]:
+    """What a stored trainer checkpoint records about the run that wrote it, compared on resume: the
+    starting model, and a digest of the train config without `steps` (raising steps continues a run;
+    the zero-steps check covers lowering it)."""
+    from dynamicrubric.models import model_reference
+
+    config = tcfg.model_dump(mode="json")
+    config.pop("steps")
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+    return {"model_ref": model_reference(model_ref), "config_digest": digest}
 
 
 def _stored_checkpoints(work_uri: str) -> list[str]:
@@ -372,29 +395,61 @@ def _stored_checkpoints(work_uri: str) -> list[str]:
     return sorted(n for n in names if store.is_complete(store.join(work_uri, n)))
 
 
-def _resume_point(work_uri: str, scratch: Path) -> str | None:
-    """The newest complete stored checkpoint, downloaded into the scratch folder."""
+def _resume_point(stage: str, work_uri: str, origin: dict, steps: int) -> str | None:
+    """The newest complete stored checkpoint, once checked that it belongs to this run (same model and
+    train config) and leaves steps to train; None when there is none."""
     done = _stored_checkpoints(work_uri)
     if not done:
         return None
     name = done[-1]
-    local = scratch / name
-    shutil.rmtree(local, ignore_errors=True)
-    log.info("resuming from %s", store.join(work_uri, name))
-    # an S3 checkpoint is fetched into the scratch folder; a local one is read where it is
-    return str(store.download_dir(store.join(work_uri, name), local))
+    uri = store.join(work_uri, name)
+    try:
+        recorded = json.loads(store.read_bytes(store.folder_file(uri, RESUME_INFO)))
+    except store.StoreError:
+        raise ValueError(
+            f"{stage}: the trainer checkpoint {uri} does not record the model and config it was trained "
+            f"with, so it cannot be resumed safely: delete {work_uri} to start over"
+        ) from None
+    if recorded != origin:
+        raise ValueError(
+            f"{stage}: the trainer checkpoint {uri} was written for model {recorded.get('model_ref')!r} with "
+            f"train config {recorded.get('config_digest')}, not for this run's model {origin['model_ref']!r} "
+            f"with train config {origin['config_digest']}: delete {work_uri} to start over"
+        )
+    step = int(name.removeprefix("checkpoint-"))
+    if step >= steps:
+        raise ValueError(
+            f"{stage}: the trainer checkpoint {uri} is at step {step} and the config asks for steps={steps}: "
+            f"resuming would train no more steps; raise steps, or delete {work_uri} to start over"
+        )
+    return uri
 
 
-def _checkpoint_callback(work_uri: str):
+def _fetch_checkpoint(uri: str, scratch: Path) -> str:
+    """A stored trainer checkpoint in the scratch folder (a local one is read where it is)."""
+    local = scratch / uri.rstrip("/").rsplit("/", 1)[-1]
+    marker = local / store.COMPLETE_MARKER
+    stored = store.read_manifest(uri)
+    # Every process of a node resumes from one copy: the first downloads it, the others find it here.
+    if not (marker.is_file() and stored and json.loads(marker.read_text()).get("token") == stored["token"]):
+        shutil.rmtree(local, ignore_errors=True)
+        log.info("resuming from %s", uri)
+        local = store.download_dir(uri, local)
+    return str(local)
+
+
+def _checkpoint_callback(work_uri: str, origin: dict):
     from transformers import TrainerCallback
 
     class UploadCheckpoints(TrainerCallback):
-        """Copy each trainer checkpoint to the store (complete or absent), then drop older ones."""
+        """Copy each trainer checkpoint to the store (complete or absent), with the run's origin
+        beside it for the resume check, then drop older ones."""
 
         def on_save(self, args, state, control, **kwargs):
             if not state.is_world_process_zero:
                 return
             local = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            (local / RESUME_INFO).write_text(json.dumps(origin, indent=1))
             name = f"checkpoint-{state.global_step:05d}"
             store.upload_dir(local, store.join(work_uri, name))
             for old in _stored_checkpoints(work_uri):
@@ -469,6 +524,12 @@ def _grpo(
     path = resolve_model_ref(model_ref)
     scratch = _scratch(out_uri)
     scratch.mkdir(parents=True, exist_ok=True)
+    work_uri = _work_uri(out_uri)
+    origin = checkpoint_origin(model_ref, tcfg)
+    resume = _resume_point(stage, work_uri, origin, tcfg.steps)  # every rank refuses a wrong one
+    if resume:
+        with state.local_main_process_first():  # one download per node: the others reuse it
+            resume = _fetch_checkpoint(resume, scratch)
     generation_kwargs = None
     if vllm and constrain_items:
         from dynamicrubric.constrained import rubric_grammar
@@ -514,7 +575,6 @@ def _grpo(
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if bf16 else torch.float32)
     timer = _Generate(model.generate, tokenizer, None if vllm else constrain_items, model.config.vocab_size)
     model.generate = timer
-    work_uri = _work_uri(out_uri)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=reward_funcs,
@@ -524,12 +584,12 @@ def _grpo(
         peft_config=_lora_config(tcfg) if tcfg.lora_rank else None,
         callbacks=[
             _device_check_callback(stage),
-            _checkpoint_callback(work_uri),
+            _checkpoint_callback(work_uri, origin),
             _step_split_callback(timer),
         ],
     )
     started = time.perf_counter()
-    trainer.train(resume_from_checkpoint=_resume_point(work_uri, scratch))
+    trainer.train(resume_from_checkpoint=resume)
     rows = metric_rows(trainer.state.log_history, stage, round_idx, variant)
     final = _final_values(rows)
     final["train_wall_s"] = time.perf_counter() - started
