@@ -15,6 +15,7 @@ import json
 import os
 import resource
 import signal
+import struct
 import sys
 
 CLONE_NEWNS = 0x00020000
@@ -25,6 +26,8 @@ CLONE_NEWNET = 0x40000000
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 PR_SET_NO_NEW_PRIVS = 38
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+KEYCTL_JOIN_SESSION_KEYRING = 1
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 32, 1024, 2048, 4096, 16384
 MS_PRIVATE, MS_RELATIME = 1 << 18, 1 << 21
@@ -32,11 +35,13 @@ MS_PRIVATE, MS_RELATIME = 1 << 18, 1 << 21
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 SETUP_FAILED = 127  # exit code of a launcher child that could not exec
 JUDGE_UID = 65533  # the judge's user when running as root: not `nobody`, who runs the code
+RUN_ID_BASE = 1 << 30  # as root, a run's host uid and gid are this plus its supervisor's pid (< 2**22)
 ALLOW_WEAK_ENV = "DYNRUBRIC_SANDBOX_ALLOW_WEAK"
 VIEW_DIR = "/sandbox"  # the code's working directory inside the view
 # A run's writable folders: name in its tmpfs -> place in the view
 SCRATCH = {"work": VIEW_DIR, "tmp": "/tmp", "var_tmp": "/var/tmp", "shm": "/dev/shm"}
 DEVICES = ("null", "zero", "full", "random", "urandom")
+CGROUP_PREFIX = "dynrubric-"  # a run's memory cgroup: dynrubric-<the run's host folder name>-<run>
 
 # Prepended to what the code runs when no network namespace could be made: refuses the operations
 # that reach the network or start other programs. Audit hooks cannot be removed once added.
@@ -50,6 +55,85 @@ _sys.addaudithook(_sandbox_guard)
 del _sys, _sandbox_guard
 """
 _RUN_SCRIPT = "import runpy\nrunpy.run_path('main.py', run_name='__main__')\n"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The seccomp filter of the code: kernel facilities whose state outlives a run or is shared by all runs
+# of a user whatever the namespaces (keyrings and their per-user quotas; locks and inotify watches on
+# the read-only view's files, which are the same host inodes for every run; page-cache probes), plus
+# io_uring, whose operations would bypass the filter. They fail with an errno, as on a kernel without them.
+
+AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+SYSCALLS = {  # name -> number, per architecture
+    "x86_64": {
+        "add_key": 248, "request_key": 249, "keyctl": 250, "flock": 73, "inotify_init": 253,
+        "inotify_init1": 294, "fanotify_init": 300, "perf_event_open": 298, "bpf": 321,
+        "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "preadv2": 327,
+        "cachestat": 451, "fcntl": 72, "socket": 41, "socketpair": 53,
+    },
+    "aarch64": {
+        "add_key": 217, "request_key": 218, "keyctl": 219, "flock": 32, "inotify_init1": 26,
+        "fanotify_init": 262, "perf_event_open": 241, "bpf": 280, "io_uring_setup": 425,
+        "io_uring_enter": 426, "io_uring_register": 427, "preadv2": 286, "cachestat": 451,
+        "fcntl": 25, "socket": 198, "socketpair": 199,
+    },
+}  # fmt: skip
+# fcntl commands that lock, lease or watch a file: F_GETLK, F_SETLK, F_SETLKW, the OFD locks, F_SETLEASE,
+# F_GETLEASE, F_NOTIFY (dnotify).
+LOCK_COMMANDS = (5, 6, 7, 36, 37, 38, 1024, 1025, 1026)
+# Socket families that the run's network namespace makes private: AF_UNIX, AF_INET, AF_INET6, AF_NETLINK.
+# Others, like AF_VSOCK (not namespaced: it reaches the host), are refused.
+SOCKET_FAMILIES = (1, 2, 10, 16)
+X32_SYSCALL_BIT = 0x40000000
+EPERM, ENOLCK, EAFNOSUPPORT = 1, 37, 97
+
+
+def _seccomp_program(machine: str) -> bytes | None:
+    """The filter as classic BPF (struct sock_filter items), or None for an architecture without a table."""
+    if machine not in SYSCALLS:
+        return None
+    nr = SYSCALLS[machine]
+    allow, kill = 0x7FFF0000, 0x80000000  # SECCOMP_RET_ALLOW, SECCOMP_RET_KILL_PROCESS
+    errno = 0x00050000  # SECCOMP_RET_ERRNO | the errno
+    load, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    arg = [16 + 8 * i for i in range(6)]  # offsets of seccomp_data.args[i] (their low 32 bits)
+
+    def refuse_if(values: tuple[int, ...], code: int) -> list[tuple]:
+        return [item for v in values for item in ((jeq, 0, 1, v), (ret, 0, 0, errno | code))]
+
+    def only(values: tuple[int, ...], code: int) -> list[tuple]:
+        return [x for v in values for x in ((jeq, 0, 1, v), (ret, 0, 0, allow))] + [(ret, 0, 0, errno | code)]
+
+    def when(name: str, body: list[tuple]) -> list[tuple]:  # for syscall `name` (nr in A), then `body`
+        return [(jeq, 0, len(body), nr[name]), *body]
+
+    blocked = tuple(nr[n] for n in nr if n not in ("fcntl", "socket", "socketpair"))
+    program = [
+        (load, 0, 0, 4),  # arch: a 32-bit syscall (int 0x80) has other numbers, so it is never allowed
+        (jeq, 1, 0, AUDIT_ARCH[machine]),
+        (ret, 0, 0, kill),
+        (load, 0, 0, 0),  # the syscall number
+        (jge, 0, 1, X32_SYSCALL_BIT),  # the x32 ABI's numbers
+        (ret, 0, 0, errno | EPERM),
+        *refuse_if(blocked, EPERM),
+        *when("fcntl", [(load, 0, 0, arg[1]), *refuse_if(LOCK_COMMANDS, ENOLCK), (ret, 0, 0, allow)]),
+        *when("socket", [(load, 0, 0, arg[0]), *only(SOCKET_FAMILIES, EAFNOSUPPORT)]),
+        *when("socketpair", [(load, 0, 0, arg[0]), *only(SOCKET_FAMILIES, EAFNOSUPPORT)]),
+        (ret, 0, 0, allow),
+    ]
+    return b"".join(struct.pack("HBBI", *item) for item in program)
+
+
+def _install_seccomp(program: bytes) -> None:
+    """Apply the filter to this process and all it starts (needs PR_SET_NO_NEW_PRIVS, set before)."""
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+    prog = SockFprog(len(program) // 8, program)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP) failed")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -199,7 +283,7 @@ def _mount_scratch(config: dict, run: int) -> None:
     for name in SCRATCH:
         os.mkdir(f"{scratch}/{name}", 0o700 if name == "work" else 0o1777)
         os.chmod(f"{scratch}/{name}", 0o700 if name == "work" else 0o1777)  # mkdir applies the umask
-    _write_code(f"{scratch}/work", config["codes"][run], config["user"] or [os.getuid(), os.getgid()])
+    _write_code(f"{scratch}/work", config["codes"][run], config["host_ids"])
     for name, inside in SCRATCH.items():
         _mount(f"{scratch}/{name}", f"{base}/root{inside}", None, MS_BIND)
 
@@ -267,12 +351,19 @@ def _exec_code(config: dict, run: int, error_w: int, fds: dict[int, int]) -> Non
         # RLIMIT_NPROC counts all of the uid's processes. In a fresh user namespace (kernel >= 5.14) the
         # count starts near zero; otherwise the uid's existing processes (counted before the chroot
         # hides them) are added.
+        # With host ids of the run's own (as root), the count is exactly the run's processes, this one
+        # included.
         nproc = config["limits"]["nproc"]
-        nproc += 2 if config["isolation"]["userns"] else _count_processes(user[0] if user else os.getuid())
+        isolation = config["isolation"]
+        if not (user and isolation["runuserns"]):
+            fresh_count = isolation["userns"] or isolation["runuserns"]
+            nproc += 2 if fresh_count else _count_processes(user[0] if user else os.getuid())
         if view:
             os.chroot(f"{config['base']}/root")
         workdir = VIEW_DIR if view else f"{config['base']}/work-{run}"
         _drop_privileges(config["limits"], user, nproc)
+        if config["seccomp"]:
+            _install_seccomp(config["seccomp"])
         os.chdir(workdir)
         guard = "" if config["isolation"]["netns"] else _FALLBACK_GUARD
         python = config["python"]
@@ -312,13 +403,32 @@ def _supervise(config: dict, run: int, error_w: int, status_w: int, fds: dict[in
         for name, flag in (("netns", CLONE_NEWNET), ("ipcns", CLONE_NEWIPC)):
             if config["isolation"][name]:
                 _check(_libc_call("unshare", flag))
+        # The run's user and group on the host. As root, ids of the run's own (from its supervisor's pid,
+        # unique among live runs): nothing the kernel keeps per user (a key, a lock, a count) is shared
+        # with another run or with host processes of `nobody`. The code sees them as `nobody` (65534).
+        inside = config["user"] or [os.getuid(), os.getgid()]
+        own_ids = config["user"] and config["isolation"]["runuserns"]
+        config = {**config, "host_ids": [RUN_ID_BASE + os.getpid()] * 2 if own_ids else inside}
+        if config["cgroups"]:  # before any process of the run exists: all of them are inside
+            with open(f"{config['cgroups'][run]}/cgroup.procs", "w") as f:
+                f.write(str(os.getpid()))
         if config["isolation"]["view"]:
             _mount_scratch(config, run)
         if config["isolation"]["pidns"]:
             _check(_libc_call("unshare", CLONE_NEWPID))
+        unshared_r, unshared_w = os.pipe()  # one pipe per direction
+        mapped_r, mapped_w = os.pipe()
         init = os.fork()
         if init == 0:
-            _init(config, run, error_w, status_w, fds)
+            os.close(unshared_r)
+            os.close(mapped_w)
+            _init(config, run, error_w, status_w, fds, (unshared_w, mapped_r))
+        os.close(unshared_w)
+        os.close(mapped_r)
+        if config["isolation"]["runuserns"] and os.read(unshared_r, 1) == b"u":  # else init failed
+            _map_ids(init, inside, config["host_ids"])
+            os.write(mapped_w, b"m")
+        os.close(mapped_w)
         os.close(error_w)
         os.close(status_w)
         os.waitpid(init, 0)
@@ -329,7 +439,16 @@ def _supervise(config: dict, run: int, error_w: int, status_w: int, fds: dict[in
         os._exit(0)
 
 
-def _init(config: dict, run: int, error_w: int, status_w: int, fds: dict[int, int]) -> None:
+def _map_ids(pid: int, inside: list[int], host: list[int]) -> None:
+    """Map the run's user and group (and nothing else) in the user namespace of `pid`. Written from
+    outside: only a process with the rights in the parent namespace may map a uid other than its own."""
+    for name, i in (("uid_map", 0), ("gid_map", 1)):
+        _write(f"/proc/{pid}/{name}", f"{inside[i]} {host[i]} 1")
+
+
+def _init(
+    config: dict, run: int, error_w: int, status_w: int, fds: dict[int, int], sync: tuple[int, int]
+) -> None:
     """PID 1 of the run's PID namespace (when there is one): runs the code as its child and reaps.
 
     The code is not PID 1 itself, so signals behave as usual for it and orphans get reaped. When this
@@ -340,7 +459,29 @@ def _init(config: dict, run: int, error_w: int, status_w: int, fds: dict[int, in
         if config["isolation"]["view"]:
             # Refused e.g. in a user namespace under a masked /proc: the code then has no /proc at all.
             with contextlib.suppress(OSError):
-                _mount("proc", f"{config['base']}/root/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+                proc = f"{config['base']}/root/proc"
+                _mount("proc", proc, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+                for name in ("keys", "key-users"):  # keys of the run's host uid, and every user's key counts
+                    _mount(f"{config['base']}/root/dev/null", f"{proc}/{name}", None, MS_BIND)
+        unshared_w, mapped_r = sync
+        if config["isolation"]["runuserns"]:
+            # A user namespace of the run's own: what the kernel keeps per user (keyrings, process and
+            # other per-user counts) is then the run's alone and goes away with it. A fresh session
+            # keyring too: the one inherited from the caller outlives the run.
+            # Dumpable while the supervisor writes the id map: the map files of a non-dumpable process
+            # belong to the host's root, which a plain user's supervisor is not. No code runs yet.
+            _check(_libc_call("prctl", PR_SET_DUMPABLE, 1, 0, 0, 0))
+            _check(_libc_call("unshare", CLONE_NEWUSER))
+            os.write(unshared_w, b"u")
+            if os.read(mapped_r, 1) != b"m":
+                raise OSError("the run's user namespace got no id map")
+            _check(_libc_call("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0))
+            keyctl = SYSCALLS.get(os.uname().machine, {}).get("keyctl")
+            libc = ctypes.CDLL(None, use_errno=True)
+            if keyctl is not None and libc.syscall(keyctl, KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
+                raise OSError(ctypes.get_errno(), "keyctl(KEYCTL_JOIN_SESSION_KEYRING) failed")
+        os.close(unshared_w)
+        os.close(mapped_r)
         child = os.fork()
         if child == 0:
             _exec_code(config, run, error_w, fds)
@@ -384,17 +525,80 @@ def _lines(fd: int):
     os.close(fd)
 
 
-def _pidns_allowed() -> str | None:
-    """Whether a PID namespace can be made here (asked in a throwaway child); None if so, else why."""
+def _allowed(flag: int) -> bool:
+    """Whether a namespace of this kind can be made here (asked in a throwaway child)."""
     child = os.fork()
     if child == 0:
-        os._exit(1 if _libc_call("unshare", CLONE_NEWPID) else 0)
+        os._exit(1 if _libc_call("unshare", flag) else 0)
     _, status = os.waitpid(child, 0)
-    return None if os.waitstatus_to_exitcode(status) == 0 else "unshare(CLONE_NEWPID) failed"
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+def _memory_cgroups(config: dict) -> list[str]:
+    """One memory cgroup per run, limited to the run's memory: the cap is on all of its processes (and
+    the files it writes to its tmpfs) together. Made next to our own cgroup's children (cgroup v2 or
+    the v1 memory hierarchy); [] where none can be made (no cgroup we may write to)."""
+    with open("/proc/self/cgroup") as f:
+        own = dict(line.rstrip("\n").split(":", 2)[1:] for line in f if line.count(":") >= 2)
+    with open("/proc/self/mountinfo") as f:
+        mounts = [line.split() for line in f]
+    candidates = []
+    for fields in mounts:
+        fstype, options = fields[-3], fields[-1].split(",")
+        key = "" if fstype == "cgroup2" else "memory" if fstype == "cgroup" and "memory" in options else None
+        if key is None or key not in own:
+            continue
+        root, path = fields[3], own[key]  # a mount of a sub-tree (in a container) shows it from its root
+        if root != "/" and path.startswith(root):
+            path = path[len(root) :]
+        files = (
+            ("memory.max", "memory.swap.max")
+            if key == ""
+            else ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes")
+        )
+        candidates.append((fields[4] + path, *files))
+    name = CGROUP_PREFIX + os.path.basename(config["base"])
+    for folder, limit_file, swap_file in candidates:
+        # In cgroup v2 a cgroup with processes (ours) cannot pass controllers to children: try its parent.
+        for parent in (folder.rstrip("/"), os.path.dirname(folder.rstrip("/"))):
+            made = []
+            try:
+                v2 = limit_file == "memory.max"
+                for run in range(len(config["codes"])):
+                    path = f"{parent}/{name}-{run}"
+                    os.mkdir(path, 0o700)
+                    made.append(path)
+                    _write(f"{path}/{limit_file}", str(config["limits"]["run_memory"]))
+                    with contextlib.suppress(OSError):  # no swap accounting: nothing to cap
+                        _write(f"{path}/{swap_file}", "0" if v2 else str(config["limits"]["run_memory"]))
+                    with contextlib.suppress(OSError):  # v2: an out-of-memory kill ends the whole run
+                        _write(f"{path}/memory.oom.group", "1")
+                return made
+            except OSError:
+                for path in made:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(path)
+    return []
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _oom_killed(cgroup: str) -> bool:
+    """Whether the kernel killed a process of the run for exceeding the run's memory."""
+    for name in ("memory.events", "memory.oom_control"):  # cgroup v2, v1
+        with contextlib.suppress(OSError), open(f"{cgroup}/{name}") as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill" and int(value) > 0:
+                    return True
+    return False
 
 
 def _refusal(isolation: dict) -> str:
-    missing = [n for n in ("mountns", "view", "netns", "pidns") if not isolation.get(n)]
+    missing = [n for n in ("mountns", "view", "netns", "pidns", "runuserns") if not isolation.get(n)]
     return (
         f"sandbox: no isolated run is possible here (missing: {', '.join(missing)}; "
         f"{'; '.join(isolation['notes'])}). Run as root or where user namespaces are allowed, or in a "
@@ -414,8 +618,14 @@ def _launch() -> int:
         os.write(report_fd, json.dumps(item).encode() + b"\n")
 
     isolation = {"user": config["user_name"], "notes": []}
-    isolation.update(dict.fromkeys(("userns", "mountns", "view", "netns", "pidns", "ipcns"), False))
+    isolation.update(
+        dict.fromkeys(("userns", "mountns", "view", "netns", "pidns", "ipcns", "runuserns", "memcap"), False)
+    )
     config["isolation"] = isolation
+    config["seccomp"] = _seccomp_program(os.uname().machine)
+    isolation["seccomp"] = config["seccomp"] is not None
+    if not isolation["seccomp"]:
+        isolation["notes"].append(f"no seccomp filter for the {os.uname().machine} architecture")
     if config["namespaces"]:
         _enter_namespaces(isolation)
         if isolation["mountns"]:
@@ -424,16 +634,24 @@ def _launch() -> int:
                 isolation["view"] = True
             except OSError as e:
                 isolation["notes"].append(f"no read-only view ({e}); the host filesystem is visible")
-        err = _pidns_allowed()
-        if err:
-            isolation["notes"].append(f"no pidns ({err}); stray processes are found by session and folder")
-        isolation["pidns"] = err is None
+        isolation["pidns"] = _allowed(CLONE_NEWPID)
+        if not isolation["pidns"]:
+            isolation["notes"].append(
+                "no pidns (unshare failed); stray processes are found by session and folder"
+            )
+        isolation["runuserns"] = _allowed(CLONE_NEWUSER)
+        if not isolation["runuserns"]:
+            isolation["notes"].append("no user namespace per run (unshare failed)")
     else:
         isolation["notes"].append("namespaces disabled by the caller; using the fallback guards")
-    complete = all(isolation[n] for n in ("mountns", "view", "netns", "pidns"))
+    complete = all(isolation[n] for n in ("mountns", "view", "netns", "pidns", "runuserns"))
+    config["cgroups"] = _memory_cgroups(config) if complete else []
+    isolation["memcap"] = bool(config["cgroups"])
+    if complete and not isolation["memcap"]:
+        isolation["notes"].append("no memory cgroup to write to: memory is capped per process only")
     if not complete and config["allow_weak"]:
         isolation["notes"].append(f"running with weak isolation ({ALLOW_WEAK_ENV} or allow_weak)")
-    report({"isolation": isolation})
+    report({"isolation": isolation, "cgroups": config["cgroups"]})  # the parent removes them
     if not complete and not config["allow_weak"]:
         report({"refused": _refusal(isolation)})
         return 0
@@ -498,6 +716,9 @@ def _launch() -> int:
         for verdict in _lines(launcher_ends[1]):  # one a line, as the judge decides them
             run = verdict.get("run")
             if run in supervisors:
+                if config["cgroups"] and _oom_killed(config["cgroups"][run]):  # even if it answered
+                    error = f"the run exceeded its memory cap\n{verdict.get('error') or ''}"
+                    verdict = {**verdict, "passed": False, "error": error}
                 report({"verdict": verdict})
                 # That run is decided: end it now, so it takes no CPU from the runs still being judged.
                 os.kill(supervisors[run], signal.SIGKILL)
@@ -506,6 +727,8 @@ def _launch() -> int:
                 os.kill(pid, signal.SIGKILL)
         os.waitpid(judge_pid, 0)
     for status in _lines(status_r):
+        if config["cgroups"]:
+            status["oom"] = _oom_killed(config["cgroups"][status["run"]])
         report({"status": status})
     for pid in supervisors.values():
         os.waitpid(pid, 0)

@@ -43,6 +43,17 @@ How a run is contained (Linux), every run in its own namespaces:
   timeout) ends all; the launcher kills a run's supervisor as soon as the judge has decided it.
 - As root, the code runs as `nobody` (RLIMIT_NPROC is not enforced for root) with
   PR_SET_NO_NEW_PRIVS; rlimits cap address space, CPU time, file size, open files and processes.
+- No state crosses between runs (tests/test_sandbox_channels.py tries each channel): every run has a
+  user namespace of its own, in which `nobody` is a host uid of that run alone (1<<30 plus its
+  supervisor's pid), and a fresh session keyring, so what the kernel keeps per user (keyrings, key
+  quotas, process counts) is never another run's; /proc/keys and /proc/key-users are hidden. A seccomp
+  filter (`_sandbox_launcher.SYSCALLS`) refuses keyrings, file locks, leases, dnotify/inotify/fanotify
+  (the view's files are the same host inodes for all runs), page-cache probes (preadv2, cachestat),
+  io_uring, bpf, perf and socket families that no namespace makes private (AF_VSOCK...).
+- Memory is capped for the run as a whole: a memory cgroup per run (v2, or the v1 memory hierarchy)
+  of memory_mb + disk_mb holds all of its processes and its tmpfs; a run the kernel had to kill a
+  process of for it fails ("exceeded its memory cap"), even if it answered. Where no cgroup can be
+  written (a plain user), the isolation lacks `memcap` and only each process is capped (RLIMIT_AS).
 - Not root: the launcher first creates a user namespace mapping only the caller's uid, which lets it
   make the same namespaces and mounts; the code and the judge then run as the caller's uid.
 
@@ -138,7 +149,8 @@ def run_python(
     """Run `code` as a Python script in the sandbox and report how it ended (see the module docstring).
 
     timeout_s is wall-clock time for the whole run; cpu_s (default: timeout_s rounded up, plus 1)
-    limits each process's CPU time. memory_mb caps each process's address space; disk_mb is the size of
+    limits each process's CPU time. memory_mb caps each process's address space, and memory_mb + disk_mb
+    the whole run's memory (a cgroup, where one can be made); disk_mb is the size of
     the run's only writable storage (working directory, /tmp, /var/tmp, /dev/shm together).
     namespaces=False asks for the weak fallback (used to test it). allow_weak (default: the
     DYNRUBRIC_SANDBOX_ALLOW_WEAK environment variable) lets a run go ahead with the fallback when the
@@ -227,6 +239,8 @@ def _run(codes: list[str], job: dict | None, **o) -> list[SandboxResult]:
         timeout_s=o["timeout_s"],
         limits={
             "as": o["memory_mb"] << 20,
+            # The whole run: its processes together plus what it writes to its tmpfs (which is memory).
+            "run_memory": (o["memory_mb"] + o["disk_mb"]) << 20,
             "cpu": cpu,
             "fsize": o["file_size_mb"] << 20,
             "nproc": o["max_processes"],
@@ -317,6 +331,7 @@ def _execute(
 ) -> list[SandboxResult]:
     base = Path(tempfile.mkdtemp(prefix="dynrubric-sandbox-", dir=tmp_root))
     proc: subprocess.Popen | None = None
+    cgroups: list[str] = []
     report_r = report_w = -1
     try:
         # The view's mount point (only mounted inside the runs' namespaces); `nobody` may traverse
@@ -367,6 +382,7 @@ def _execute(
                 proc.wait()
             duration = time.monotonic() - start
         report = _read_report(report_r)
+        cgroups = report.get("cgroups") or []
         survivors = _reap(proc.pid, str(base))
         if survivors:
             log.warning("sandbox: %d process(es) of a run could not be killed: %s", len(survivors), survivors)
@@ -399,6 +415,7 @@ def _execute(
             if fd >= 0:
                 os.close(fd)
         _remove_tree(base)
+        _remove_cgroups(cgroups)
 
 
 def _wait(proc: subprocess.Popen, timeout_s: float) -> bool:
@@ -455,13 +472,17 @@ def _result(
         return make("failed", 1, f"{stderr}\n[sandbox judge] {verdict.get('error')}")
     if status is None:
         return make("timeout", None) if timed_out else make("error", None, f"no exit status\n{stderr}")
+    if status.get("oom"):  # a process of the run was killed for the run's memory, whatever the exit
+        returncode = -status["signal"] if status["signal"] is not None else status["exit_code"]
+        return make("failed", returncode, f"{stderr}\n[sandbox] the run exceeded its memory cap")
     if status["signal"] is not None:
         return make("killed", -status["signal"])
     return make("ok" if status["exit_code"] == 0 else "failed", status["exit_code"])
 
 
 def _describe(isolation: dict) -> str:
-    parts = [name for name in ("userns", "mountns", "view", "netns", "pidns", "ipcns") if isolation.get(name)]
+    names = ("userns", "mountns", "view", "netns", "pidns", "ipcns", "runuserns", "seccomp", "memcap")
+    parts = [name for name in names if isolation.get(name)]
     if isolation.get("user"):
         parts.append(f"user={isolation['user']}")
     if not isolation.get("netns"):
@@ -559,6 +580,23 @@ def _reap(session: int, workdir: str, deadline_s: float = 5.0) -> list[int]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.01)
+
+
+def _remove_cgroups(paths: list[str], deadline_s: float = 5.0) -> None:
+    """Remove a launch's memory cgroups; a run's last processes may still be exiting (busy) for a moment."""
+    deadline = time.monotonic() + deadline_s
+    for path in paths:
+        while True:
+            try:
+                os.rmdir(path)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    log.warning("sandbox: could not remove the cgroup %s", path)
+                    break
+                time.sleep(0.005)
 
 
 def _remove_tree(path: Path) -> None:
