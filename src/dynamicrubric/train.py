@@ -26,15 +26,19 @@ policy-gradient loss over all completion tokens of the step: no per-sequence len
 1/|o|), and no dependence on max_completion_length (Dr. GRPO's constant).
 
 Checkpoints and resume. TRL saves a trainer checkpoint every `save_steps` steps in a local scratch
-folder; a callback uploads it to `<out>.work/checkpoint-NNNNN` in the store (`_COMPLETE` last), so a
-retried pod on another node resumes from the newest complete one and ends with the same weights as
-an uninterrupted run. The result is a Hugging Face folder (LoRA merged, plus a summary JSON) written
-to `out_uri` with `store.upload_dir`; a stage whose output is complete does nothing.
+folder; a callback uploads it to `<out>.work/checkpoint-NNNNN` in the store (`_COMPLETE` last; for a
+pod path /s3/b/k that is s3://b/k.work, since the pod's mount is uploaded only when the task succeeds)
+with the starting model and a digest of the train config beside it, so a retried pod on another node
+resumes from the newest complete one and ends with the same weights as an uninterrupted run; a
+checkpoint of another model or config, or one with no steps left to train, is refused. The result is a
+Hugging Face folder (LoRA merged, plus a summary JSON) written to `out_uri` with `store.upload_dir`:
+every rank takes part in gathering the weights (a collective under FSDP), rank 0 writes them. A stage
+whose output is complete does nothing.
 
 Processes. `launch` (used by the pipeline's training components) runs this module under
 `accelerate launch` with one process per GPU the task requests (`train_*.world_size`; FSDP on GPU
-with the config shipped in `dynamicrubric/accelerate/`); world size 1 on CPU goes through the same
-launcher. On GPU the policy generates with TRL's vLLM colocate mode (sleep mode on) and the
+with the config shipped in `dynamicrubric/accelerate/`; one GPU is a plain one-process launch); on CPU
+the same launcher runs one process (--cpu) or several (gloo). On GPU the policy generates with TRL's vLLM colocate mode (sleep mode on) and the
 generator and verifier run as vLLM engines in the same processes (see docs/training.md).
 """
 
