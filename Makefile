@@ -30,7 +30,8 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	# The project without its dependencies (vllm brings torch, transformers, xgrammar, pydantic, yaml).
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
-	$(VLLM_VENV)/bin/pip install -q pytest pytest-timeout
+	# What the reward functions need beside vllm's own set, to run them against a real server here.
+	$(VLLM_VENV)/bin/pip install -q pytest pytest-timeout pandas 'pyarrow>=18,<26' boto3 accelerate 'gguf>=0.17'
 	touch $(VLLM_STAMP)
 
 demo: $(STAMP)

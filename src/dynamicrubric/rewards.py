@@ -82,19 +82,28 @@ def _gather(local: list) -> tuple[list, int]:
 
 
 def _score_by_groups(
-    local_rows: list[dict], group_size: int, score: Callable[[list[dict], int, int], tuple[list, dict]]
+    local_rows: list[dict],
+    group_size: int,
+    score: Callable[[list[dict], int, int], tuple[list, dict]],
+    served: bool = False,
 ) -> tuple[list, dict]:
     """Split the whole batch into groups, score this process's share, and return its own slice.
 
     `score(rows, rank, world)` gets the rows of this process's groups (whole groups, in batch order)
     and returns one value per row plus metrics; the metrics are averaged by TRL across processes.
+    With `served` models the main process sends the whole step's requests at once (the servers batch
+    and prefix-cache them better than world small slices would) and the others wait for the scores.
     """
     rows, start = _gather(local_rows)
     if len(rows) % group_size:
         raise ValueError(f"a batch of {len(rows)} completions is not whole groups of {group_size}")
     rank, world = _process()
-    mine = [i for i in range(len(rows)) if (i // group_size) % world == rank]
-    values, metrics = score([rows[i] for i in mine], rank, world)
+    if served:
+        mine = list(range(len(rows))) if rank == 0 else []
+        values, metrics = score([rows[i] for i in mine], 0, 1)
+    else:
+        mine = [i for i in range(len(rows)) if (i // group_size) % world == rank]
+        values, metrics = score([rows[i] for i in mine], rank, world)
     results = dict(zip(mine, values, strict=True))
     if world > 1:
         from accelerate.utils import gather_object
@@ -147,6 +156,7 @@ class PolicyReward:
         self.k = cfg.rollout.k
         self.max_tokens = cfg.rollout.max_new_tokens
         self._engines = engines or _engine_cache(cfg)
+        self.served = _served(cfg, ("generator", "verifier"))
         self.__name__ = f"{self.variant}_score"  # TRL names the reward's metrics after it
 
     def __call__(
@@ -181,7 +191,7 @@ class PolicyReward:
             )
         ]
         scores, metrics = _score_by_groups(
-            rows, self.k, lambda r, rank, world: self.score(r, step, rank, world)
+            rows, self.k, lambda r, rank, world: self.score(r, step, rank, world), self.served
         )
         _log_all(log_metric, metrics)
         return scores
@@ -192,7 +202,7 @@ class PolicyReward:
             return [], {}
         started = time.perf_counter()
         cfg, folder = self.cfg, step_dir(self.steps_uri, step, rank, world)
-        uri = {name: store.join(folder, f"{name}.parquet") for name in _STEP_ARTIFACTS}
+        uri = _step_uris(folder)
         group_ids = _group_ids(rows, self.k, "prompt_id")
         seed = _step_seed(cfg, self.round_idx, step)
         rollouts = pd.DataFrame(
@@ -235,6 +245,8 @@ class PolicyReward:
 
                 t = time.perf_counter()
                 rubrics_uri = uri["rubrics"]
+                generator = self._engines("generator", self.generator)
+                calls = _Calls(generator, "rubrics")
                 counts = run_rubrics(
                     uri["rollouts"],
                     rubrics_uri,
@@ -243,21 +255,26 @@ class PolicyReward:
                     samples=cfg.rubrics.samples,
                     variant=self.variant,
                     seed=seed,
-                    engine=self._engines(self.generator),
+                    engine=generator,
+                    allow_failed=True,
                 )
+                metrics.update(calls.done())
                 timing["time/rubrics_s"] = time.perf_counter() - t
                 metrics["rubrics/parse_rate"] = counts["parse_rate"]
                 metrics["rubrics/truncated_rate"] = counts["truncated"] / max(counts["rubrics"], 1)
                 metrics["rubrics/mean_items"] = counts["mean_items"]
             t = time.perf_counter()
+            verifier = self._engines("verifier", self.verifier)
+            calls = _Calls(verifier, "judge")
             counts = run_judge(
                 uri["rollouts"],
                 uri["judgments"],
                 cfg,
                 rubrics_uri=rubrics_uri,
                 verifier=self.verifier,
-                engine=self._engines(self.verifier),
+                engine=verifier,
             )
+            metrics.update(calls.done())
             timing["time/judge_s"] = time.perf_counter() - t
             metrics["judge/yes_rate"] = counts["yes_rate"]
             verifiable = prompts[prompts["meta"].notna() | prompts["reference"].notna()]
@@ -270,20 +287,27 @@ class PolicyReward:
                 if len(verifiable)
                 else None
             )
-        scores = _aggregate(
-            cfg,
-            uri,
-            rubrics_uri,
-            anchors,
-            soft=cfg.aggregate.soft or self.variant == "verifiable",
-            round_idx=self.round_idx,
-            variant=self.variant,
-            step=step,
-        )
-        metrics.update(scores.overall)
-        per_response = scores.frame.groupby(["prompt_id", "sample_idx"])["score"].mean()
+        calls = {k: v for k, v in metrics.items() if "/calls_" in k}
+        failed = _set_aside_failed(cfg, uri, rubrics_uri, group_ids, "train-policy", step, calls)
+        metrics["rewards/failed_groups"] = len(failed)
+        per_response: dict = {}
+        if len(failed) < len(group_ids):
+            scores = _aggregate(
+                cfg,
+                uri,
+                rubrics_uri,
+                None if anchors is None else anchors[~anchors["list_id"].isin(failed)],
+                soft=cfg.aggregate.soft or self.variant == "verifiable",
+                round_idx=self.round_idx,
+                variant=self.variant,
+                step=step,
+            )
+            metrics.update(scores.overall)
+            per_response = scores.frame.groupby(["prompt_id", "sample_idx"])["score"].mean().to_dict()
+        # A group that lost a verdict or its rubric gets no reward at all (TRL leaves None out of the
+        # advantage), never a score computed from what was left of it.
         values = [
-            float(per_response[(pid, idx)])
+            None if pid in failed else float(per_response[(pid, idx)])
             for pid, idx in zip(rollouts["prompt_id"], rollouts["sample_idx"], strict=True)
         ]
         timing["time/reward_s"] = time.perf_counter() - started
@@ -327,6 +351,7 @@ class GeneratorRewards:
         self.g = cfg.rubrics.train_samples
         self.max_tokens = cfg.rubrics.max_new_tokens
         self._engines = engines or _engine_cache(cfg)
+        self.served = _served(cfg, ("verifier",))
         self._last: tuple[Any, tuple[list, list]] | None = None
 
         def r_disc(prompts, completions, completion_ids, **kwargs):
@@ -381,7 +406,7 @@ class GeneratorRewards:
             )
         ]
         values, metrics = _score_by_groups(
-            rows, self.g, lambda r, rank, world: self.score(r, step, rank, world)
+            rows, self.g, lambda r, rank, world: self.score(r, step, rank, world), self.served
         )
         _log_all(log_metric, metrics)
         result = ([v[0] for v in values], [v[1] for v in values])
@@ -398,7 +423,7 @@ class GeneratorRewards:
         started = time.perf_counter()
         cfg, g = self.cfg, self.g
         folder = step_dir(self.steps_uri, step, rank, world)
-        uri = {name: store.join(folder, f"{name}.parquet") for name in _STEP_ARTIFACTS}
+        uri = _step_uris(folder)
         set_ids = _group_ids(rows, g, "prompt_id")
         sets = [rows[i * g] for i in range(len(set_ids))]
         rollouts = pd.DataFrame(
@@ -451,30 +476,41 @@ class GeneratorRewards:
             ]
         )
         t = time.perf_counter()
+        verifier = self._engines("verifier", self.verifier)
+        calls = _Calls(verifier, "judge")
         counts = run_judge(
             uri["rollouts"],
             uri["judgments"],
             cfg,
             rubrics_uri=uri["rubrics"],
             verifier=self.verifier,
-            engine=self._engines(self.verifier),
+            engine=verifier,
         )
+        call_metrics = calls.done()
         judge_s = time.perf_counter() - t
-        result = _aggregate(
-            cfg,
-            uri,
-            uri["rubrics"],
-            anchors if len(anchors) else None,
-            soft=cfg.aggregate.soft,
-            round_idx=self.round_idx,
-            variant="dynamic",
-            step=step,
-            stage="train-evaluator",
-        )
-        rewards = read_frame(uri["rewards"], "rewards").set_index(["prompt_id", "rubric_idx"])
+        failed = _set_aside_failed(cfg, uri, uri["rubrics"], set_ids, "train-evaluator", step, call_metrics)
+        overall: dict = {}
+        if len(failed) < len(set_ids):
+            kept = anchors[~anchors["list_id"].isin(failed)] if len(anchors) else anchors
+            result = _aggregate(
+                cfg,
+                uri,
+                uri["rubrics"],
+                kept if len(kept) else None,
+                soft=cfg.aggregate.soft,
+                round_idx=self.round_idx,
+                variant="dynamic",
+                step=step,
+                stage="train-evaluator",
+            )
+            overall = result.overall
+            rewards = read_frame(uri["rewards"], "rewards").set_index(["prompt_id", "rubric_idx"])
         values = []
         for sid in set_ids:
             for j in range(g):
+                if sid in failed:  # a set that lost verdicts: no reward for any of its rubric samples
+                    values.append((None, None))
+                    continue
                 r = rewards.loc[(sid, j)]
                 anchor = None if pd.isna(r["r_anchor"]) else float(r["r_anchor"])
                 values.append((float(r["r_disc"]), anchor))
@@ -482,7 +518,9 @@ class GeneratorRewards:
         truncated = rubrics["parse_status"] == TRUNCATED
         complete = rubrics[~truncated]
         metrics = {
-            **result.overall,
+            **overall,
+            **call_metrics,
+            "rewards/failed_groups": len(failed),
             "rubrics/parse_rate": float((complete["parse_status"] != "empty").mean())
             if len(complete)
             else 0.0,
@@ -499,6 +537,7 @@ class GeneratorRewards:
 # Shared pieces
 
 _STEP_ARTIFACTS = (
+    "calls",  # JSON: every server request's outcome, by role (train.py's metrics hold them per step too)
     "rollouts",
     "rubrics",
     "judgments",
@@ -510,30 +549,124 @@ _STEP_ARTIFACTS = (
 )
 
 
+def _step_uris(folder: str) -> dict[str, str]:
+    return {
+        name: store.join(folder, f"{name}.json" if name == "calls" else f"{name}.parquet")
+        for name in _STEP_ARTIFACTS
+    }
+
+
 def _step_seed(cfg: Config, round_idx: int, step: int) -> int:
     """A seed of its own for every (round, step), so scoring never depends on what ran before."""
     return cfg.seed * 1_000_003 + round_idx * 101 + 7 + step * 7_919
 
 
-def _engine_cache(cfg: Config) -> Callable[[str], Any]:
-    """Load each model reference once per process (generator and verifier stay resident)."""
-    from dynamicrubric.engines import load_engine
+def _served(cfg: Config, roles: tuple[str, ...]) -> bool:
+    return any(getattr(cfg.models, f"{role}_url") for role in roles)
+
+
+def _engine_cache(cfg: Config) -> Callable[[str, str], Any]:
+    """Each role's engine, made once per process: a client of the role's server when the config names
+    one (`models.<role>_url`, set by the training task for the servers it starts), else the model
+    loaded in-process, which only the CPU engine may do (vLLM engines inside every training rank would
+    all land on GPU 0 and cannot fit beside the trainer)."""
+    from dynamicrubric.engines import EngineError, load_engine
 
     loaded: dict[str, Any] = {}
 
-    def get(ref: str) -> Any:
-        if ref not in loaded:
+    def get(role: str, ref: str) -> Any:
+        if role not in loaded:
             import torch
 
             from dynamicrubric.train import resolve_model_ref
 
+            url = getattr(cfg.models, f"{role}_url")
+            if not url and cfg.engine.engine != "hf":
+                raise EngineError(
+                    f"the training reward calls the {role} through a model server on GPUs: set "
+                    f"train_*.reward_gpus (the task serves it) or models.{role}_url"
+                )
             # Loading initialises weights from torch's global RNG; the trainer's sampling draws from it
             # too, and a resumed run loads the engines at another step than an uninterrupted one.
             with torch.random.fork_rng(devices=[]):
-                loaded[ref] = load_engine(str(resolve_model_ref(ref)), cfg.engine)
-        return loaded[ref]
+                model = ref if url else str(resolve_model_ref(ref))
+                loaded[role] = load_engine(model, cfg.engine, url=url, serving=cfg.serving)
+        return loaded[role]
 
     return get
+
+
+class _Calls:
+    """The server requests one scoring call made, as metrics under `prefix` (empty for in-process)."""
+
+    def __init__(self, engine: Any, prefix: str) -> None:
+        self.ledger = getattr(engine, "ledger", None)  # only served engines make requests
+        self.before = self.ledger.snapshot() if self.ledger is not None else None
+        self.prefix = prefix
+
+    def done(self) -> dict[str, float]:
+        if self.ledger is None:
+            return {}
+        return {f"{self.prefix}/calls_{k}": float(v) for k, v in self.ledger.since(self.before).items()}
+
+
+class RewardError(RuntimeError):
+    """A training step whose scoring failed past the failure budget; the message says what happened."""
+
+
+def _set_aside_failed(
+    cfg: Config,
+    uri: dict[str, str],
+    rubrics_uri: str | None,
+    group_ids: list[str],
+    stage: str,
+    step: int,
+    calls: dict[str, float],
+) -> set[str]:
+    """The groups that lost a verdict (p_yes NaN: a failed request, or a verifier that gave no label) or
+    a rubric sample (its request failed). Their rows move from the step's artifacts to `failed-*.parquet`
+    beside them, so aggregation reads only whole groups and nothing asked is lost. Over the step's
+    failure budget (`serving.max_failed_fraction`) the step fails with one line."""
+    from dynamicrubric.engines import FAILED
+
+    # The requests' outcomes are part of the step's record, also (above all) when the step fails here.
+    store.write_bytes(uri["calls"], json.dumps(calls, indent=1, sort_keys=True).encode())
+    judgments = read_frame(uri["judgments"], "judgments")
+    failed = set(judgments.loc[judgments["p_yes"].isna(), "prompt_id"])
+    rubrics = read_frame(rubrics_uri, "rubrics") if rubrics_uri else None
+    if rubrics is not None:
+        failed |= set(rubrics.loc[rubrics["parse_status"] == FAILED, "prompt_id"])
+    if not failed:
+        return failed
+    share = len(failed) / len(group_ids)
+    if share > cfg.serving.max_failed_fraction:
+        raise RewardError(
+            f"{stage} step {step}: {len(failed)} of {len(group_ids)} groups lost verdicts or rubrics "
+            f"({share:.0%} > serving.max_failed_fraction={cfg.serving.max_failed_fraction}); requests: "
+            + ", ".join(f"{k.split('/')[-1]} {int(v)}" for k, v in sorted(calls.items()) if v)
+            + f"; the step's artifacts and calls.json are in {uri['calls'].rsplit('/', 1)[0]}"
+        )
+    frames = {"judgments": judgments, "rollouts": read_frame(uri["rollouts"], "rollouts")}
+    if rubrics is not None:
+        frames["rubrics"] = rubrics
+    for name, frame in frames.items():
+        lost = frame["prompt_id"].isin(failed)
+        write_artifact(_failed_uri(uri[name]), name, frame[lost])
+        write_artifact(uri[name], name, frame[~lost])
+    log.warning(
+        "%s step %d: %d of %d groups get no reward (lost verdicts or rubrics): %s",
+        stage,
+        step,
+        len(failed),
+        len(group_ids),
+        sorted(failed)[:5],
+    )
+    return failed
+
+
+def _failed_uri(artifact_uri: str) -> str:
+    folder, name = artifact_uri.rstrip("/").rsplit("/", 1)
+    return f"{folder}/failed-{name}"
 
 
 def _outcomes(rollouts: pd.DataFrame, prompts: pd.DataFrame, cfg: Config) -> list[float]:

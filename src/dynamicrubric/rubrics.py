@@ -20,7 +20,7 @@ import pandas as pd
 
 from dynamicrubric.artifacts import read_frame, write_artifact
 from dynamicrubric.config import Config
-from dynamicrubric.engines import Engine, load_engine
+from dynamicrubric.engines import FAILED, Engine, EngineError, load_engine
 from dynamicrubric.models import model_reference
 from dynamicrubric.prompts import (
     ParsedRubric,
@@ -75,7 +75,9 @@ def rubric_rows(
     The standalone stage and the generator's online trainer both build their rows here."""
     rows = []
     for g, (completion, reason) in enumerate(zip(completions, finish_reasons, strict=True)):
-        if constrained and reason == "length":
+        if reason == FAILED:  # the model server never answered: nothing to parse, and no rubric
+            parsed = ParsedRubric([], FAILED)
+        elif constrained and reason == "length":
             # The schema guarantees a complete rubric only when decoding ends at a stop token:
             # a cut-off one is scored as empty rather than trusted in part.
             parsed = ParsedRubric([], TRUNCATED)
@@ -107,8 +109,13 @@ def run_rubrics(
     variant: str | None = None,
     seed: int | None = None,
     engine: Engine | None = None,
+    allow_failed: bool = False,
 ) -> dict:
-    """Write `samples` rubric samples (default cfg.rubrics.samples) for every candidate set."""
+    """Write `samples` rubric samples (default cfg.rubrics.samples) for every candidate set.
+
+    A sample whose server request failed after its retries stops the stage before anything is written,
+    unless `allow_failed` (the online reward, which leaves that set's group out): it is then written
+    with parse_status "failed" and no items, and counted in `failed`."""
     rc = cfg.rubrics
     generator = generator or cfg.models.generator
     samples = samples or rc.samples
@@ -136,6 +143,12 @@ def run_rubrics(
         desc=f"rubrics ({variant})",
         rubric_items=rc.num_items if rc.constrained else None,
     )
+    failed = sum(r == FAILED for g in generations for r in g.finish_reasons)
+    if failed and not allow_failed:
+        raise EngineError(
+            f"rubrics: {failed} of {sum(len(g.texts) for g in generations)} rubric samples got no answer from "
+            f"the generator's server after its retries (each failure is logged above); nothing written to {out_uri}"
+        )
     reference = model_reference(generator)  # stored normalised: the bytes do not depend on how it was typed
     rows = []
     for request, gen in zip(requests.itertuples(), generations, strict=True):
@@ -163,14 +176,15 @@ def run_rubrics(
             len(rubrics),
             rc.max_new_tokens,
         )
-    complete = len(rubrics) - truncated
+    complete = len(rubrics) - truncated - failed
     counts = {
+        "failed": failed,
         "candidate_sets": len(requests),
         "rubrics": len(rubrics),
         "empty_rubrics": empty,
         "truncated": truncated,
         # Share of the rubrics not cut off by the token limit that parsed (1.0 when constrained).
-        "parse_rate": float((rubrics["parse_status"] != "empty").sum() - truncated) / complete
+        "parse_rate": float((rubrics["parse_status"] != "empty").sum() - truncated - failed) / complete
         if complete
         else 0.0,
         "parsed_json": int((rubrics["parse_status"] == "json").sum()),
