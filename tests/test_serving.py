@@ -105,3 +105,15 @@ def test_a_server_that_exits_or_never_gets_healthy_fails_with_its_log(tmp_path: 
     assert server.process.poll() is not None
     with pytest.raises(ProcessLookupError):
         os.killpg(server.process.pid, 0)  # the whole process group is gone
+
+
+def test_fsdp_trainer_checkpoints_are_sharded() -> None:
+    """Read from the accelerate config the GPU launch uses: resumable checkpoints as DCP shards (a full
+    state dict would gather every rank's weights and optimizer states on rank 0 at each save)."""
+    from importlib import resources
+
+    import yaml
+
+    text = resources.files("dynamicrubric").joinpath("accelerate", "fsdp.yaml").read_text()
+    fsdp = yaml.safe_load(text)["fsdp_config"]
+    assert (fsdp["fsdp_version"], fsdp["fsdp_state_dict_type"]) == (2, "SHARDED_STATE_DICT")
