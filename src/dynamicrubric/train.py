@@ -38,8 +38,10 @@ whose output is complete does nothing.
 Processes. `launch` (used by the pipeline's training components) runs this module under
 `accelerate launch` with one process per GPU the task requests (`train_*.world_size`; FSDP on GPU
 with the config shipped in `dynamicrubric/accelerate/`; one GPU is a plain one-process launch); on CPU
-the same launcher runs one process (--cpu) or several (gloo). On GPU the policy generates with TRL's vLLM colocate mode (sleep mode on) and the
-generator and verifier run as vLLM engines in the same processes (see docs/training.md).
+the same launcher runs one process (--cpu) or several (gloo). On GPU the trained model generates with
+TRL's vLLM colocate mode (sleep mode on), and the reward reaches G and V through vLLM servers that
+`launch` starts on the task's `reward_gpus` (serving.py), or through the user's endpoints
+(`models.<role>_url`); on CPU the reward loads them in-process (see docs/training.md).
 """
 
 from __future__ import annotations
