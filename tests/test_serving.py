@@ -117,3 +117,41 @@ def test_fsdp_trainer_checkpoints_are_sharded() -> None:
     text = resources.files("dynamicrubric").joinpath("accelerate", "fsdp.yaml").read_text()
     fsdp = yaml.safe_load(text)["fsdp_config"]
     assert (fsdp["fsdp_version"], fsdp["fsdp_state_dict_type"]) == (2, "SHARDED_STATE_DICT")
+
+
+SCORE_BY_GROUPS = """
+import json, sys
+from accelerate import PartialState
+from dynamicrubric.rewards import _score_by_groups
+state = PartialState(cpu=True)
+rank = state.process_index
+local = [{"group": 2 * rank + g, "row": 4 * rank + 2 * g + i} for g in range(2) for i in range(2)]  # 2 groups of 2
+calls = []
+def score(rows, r, w):
+    calls.append(len(rows))
+    return [10 * row["row"] for row in rows], {"rank_scored": float(len(rows))}
+values, metrics = _score_by_groups(local, 2, score, served=True)
+print(json.dumps({"rank": rank, "values": values, "calls": calls}), flush=True)
+"""
+
+
+def test_with_served_models_the_main_process_scores_the_whole_step(tmp_path: Path) -> None:
+    """Two gloo processes: the main one sends the whole batch (all 4 groups) to the servers at once,
+    the other scores nothing, and each gets back the scores of its own slice."""
+    import json
+    import subprocess
+
+    script = tmp_path / "score.py"
+    script.write_text(SCORE_BY_GROUPS)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu"]
+    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script)]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = sorted(
+        (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")),
+        key=lambda r: r["rank"],
+    )
+    assert [r["calls"] for r in out] == [[8], [0]]  # rank 0 scored all 8 rows (4 groups), rank 1 none
+    assert out[0]["values"] == [0, 10, 20, 30] and out[1]["values"] == [40, 50, 60, 70]

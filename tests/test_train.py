@@ -308,14 +308,24 @@ def test_two_cpu_processes_score_whole_groups(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (vLLM)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 3,
+    reason="needs 3 CUDA GPUs (vLLM): one to train on, one each for the G and V servers",
+)
 def test_online_trainers_on_vllm(tmp_path):
-    """The GPU path: the policy generates through TRL's colocated vLLM (sleep mode on), the generator's
-    rubric samples are constrained by vLLM structured outputs, and the reward's generator and verifier
-    are vLLM engines in the same process. Written for the GPU smoke run; no GPU on the dev machines."""
-    cfg = _cfg(engine={"engine": "vllm", "device": "cuda", "gpu_memory_utilization": 0.2})
+    """The GPU path: the trained model generates through TRL's colocated vLLM (sleep mode on), the
+    generator's rubric samples are constrained by vLLM structured outputs, and the reward reaches G and V
+    through the `vllm serve` processes the task starts on its reward GPUs. No GPU on the dev machines."""
+    plan = {"world_size": 1, "reward_gpus": 2, "vllm_gpu_memory_utilization": 0.2}
+    cfg = _cfg(
+        engine={"engine": "vllm", "device": "cuda"},
+        train_policy=plan,
+        train_evaluator=plan,
+        serving={"gpu_memory_utilization": 0.2, "start_timeout_s": 900},
+    )
     final = _train_policy(cfg, tmp_path / "policy-run")
     assert store.is_complete(str(tmp_path / "policy-run" / "policy")) and "reward_mean" in final
+    assert final["judge/calls_ok"] > 0 and final["rewards/failed_groups"] == 0
     cand, ranked = _candidate_sets(tmp_path, cfg)
     final = train.launch(
         "train-evaluator", cfg, candidates=[cand], anchors=[ranked], generator="tiny-random",
