@@ -73,7 +73,7 @@ def run_local(cfg: Config, *, verbose: bool = False, fresh: bool = False) -> Loc
     )
     pipeline = build_pipeline(cfg)
     run_name = fresh_run_name(cfg) if fresh else default_run_name(cfg)
-    monitor = TaskMonitor(verbose=verbose, threads=task_threads(cfg.pipeline.shards))
+    monitor = TaskMonitor(verbose=verbose, shards=cfg.pipeline.shards)
     with monitor.installed():
         try:
             pipeline(config_yaml=cfg.to_yaml(), run_name=run_name)
@@ -87,19 +87,25 @@ def run_local(cfg: Config, *, verbose: bool = False, fresh: bool = False) -> Loc
     return result
 
 
-def task_threads(shards: int, environ: dict[str, str] | None = None, cores: int | None = None) -> str:
-    """OMP_NUM_THREADS for each locally run task: the user's own setting, else this machine's cores
-    shared among the `shards` tasks kfp.local runs side by side.
+def task_threads(
+    entry: dict, shards: int, environ: dict[str, str] | None = None, cores: int | None = None
+) -> str:
+    """OMP_NUM_THREADS for one locally run task: the user's own setting, else this machine's cores
+    shared among the tasks that run beside it.
 
-    torch starts one thread per core in every process; two processes whose threads fight for the same
-    few cores run several times slower than with a share each (5-13x measured on 2 cores). A task
-    that sets its own count (the trainers' `torch_threads`) still wins.
+    kfp.local runs a pipeline's tasks one at a time except the iterations of a shard loop
+    (ParallelFor with parallelism = pipeline.shards), so a task with a `shard` runs beside its
+    `shards` siblings and every other task (training, evaluate, aggregate) runs alone and gets all the
+    cores. torch starts one thread per core in every process; two processes whose threads fight for
+    the same few cores run several times slower than with a share each (5-13x measured on 2 cores).
+    A task that sets its own count (the trainers' `torch_threads`) still wins.
     """
     environ = os.environ if environ is None else environ
     if environ.get("OMP_NUM_THREADS"):
         return environ["OMP_NUM_THREADS"]
     cores = cores or len(os.sched_getaffinity(0))
-    return str(max(1, cores // max(1, shards)))
+    beside = max(1, shards) if entry.get("shard") is not None else 1
+    return str(max(1, cores // beside))
 
 
 def compile_to(cfg: Config, out: str) -> str:
@@ -261,9 +267,14 @@ def task_label(entry: dict) -> str:
 class TaskMonitor:
     """Stands in for kfp.local's task runner output while a pipeline runs (see `installed`)."""
 
-    def __init__(self, verbose: bool = False, out=None, err=None, threads: str | None = None):
+    def __init__(
+        self, verbose: bool = False, out=None, err=None, shards: int | None = None, cores: int | None = None
+    ):
         self.verbose = verbose
-        self.threads = threads  # OMP_NUM_THREADS of every task (see task_threads); None: inherited
+        # Side-by-side tasks of a shard loop, to set each task's OMP_NUM_THREADS (see task_threads);
+        # None: every task inherits this process's setting.
+        self.shards = shards
+        self.cores = cores
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         self.tasks: list[dict] = []
@@ -342,8 +353,11 @@ class TaskMonitor:
         folder.mkdir(parents=True, exist_ok=True)
         log_path = folder / "task.log"
         entry["log"] = str(log_path)
-        # the share of cores over this process's own environment; a component's env_vars win over both
-        share = {"OMP_NUM_THREADS": self.threads} if self.threads else {}
+        # the task's share of cores over this process's own environment; a component's env_vars win over both
+        share = {}
+        if self.shards is not None:
+            entry["threads"] = int(task_threads(entry, self.shards, cores=self.cores))
+            share = {"OMP_NUM_THREADS": str(entry["threads"])}
         env = {**os.environ, **share, **(env_vars or {}), logs.SUMMARY_ENV: "1"}
         started = time.monotonic()
         numbers: dict = {}
@@ -374,9 +388,17 @@ class TaskMonitor:
                             self._write(self.err, f"{label}: {text.strip()}\n")
                             last_bar = now
             log_file.write(pending)
-            code = proc.wait()
+            # wait4, not wait: its resource usage covers the task process and every process it waited
+            # for (a trainer's `accelerate launch` children), which says how many cores a task kept busy
+            # and how much memory its largest process held.
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = code = os.waitstatus_to_exitcode(status)
         seconds = time.monotonic() - started
         entry["seconds"] = round(seconds, 1)
+        entry["cpu_user_s"] = round(usage.ru_utime, 1)
+        entry["cpu_sys_s"] = round(usage.ru_stime, 1)
+        entry["max_rss_mb"] = round(usage.ru_maxrss / 1024)  # Linux reports KiB
+        cores_busy = (usage.ru_utime + usage.ru_stime) / max(seconds, 1e-9)
         entry["numbers"] = numbers
         clear = "\r\x1b[2K" if tty else ""
         stamp = time.strftime("%H:%M:%S")
@@ -385,7 +407,8 @@ class TaskMonitor:
             numbers.pop("time_s", None)
             self._write(
                 self.out,
-                f"{clear}{stamp} done   {label:<34} {seconds:6.1f}s  {logs.format_numbers(numbers)}\n",
+                f"{clear}{stamp} done   {label:<34} {seconds:6.1f}s  cpu {cores_busy:3.1f}x  "
+                f"rss {entry['max_rss_mb'] / 1024:4.1f} GB  {logs.format_numbers(numbers)}\n",
             )
         else:
             entry["status"] = "failed"
