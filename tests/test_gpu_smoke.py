@@ -1,7 +1,9 @@
-"""bench/gpu_smoke.sh: the parts that run without a GPU (`--check`), and its refusals."""
+"""bench/gpu_smoke.sh and bench/gpu_step.py: the parts that run without a GPU (`--check` runs the GRPO step
+for real on a tiny shape on the CPU), the 8B shape's arithmetic, and the script's refusals."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -9,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from bench import gpu_step
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_smoke.sh"
@@ -21,35 +25,132 @@ def _run(*args: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_check_validates_the_script_and_compiles_its_config(tmp_path):
-    done = _run("--check", GPU_SMOKE_WORK=str(tmp_path))
+def test_check_runs_one_grpo_step_of_the_tiny_shape_on_the_cpu(tmp_path):
+    # no wheel folder: --check must not need one (it says so in its line)
+    done = _run("--check", GPU_SMOKE_WORK=str(tmp_path), GPU_SMOKE_WHEELS=str(tmp_path / "none"))
     assert done.returncode == 0, done.stdout + done.stderr
     (line,) = done.stdout.splitlines()
-    assert line.startswith("gpu_smoke --check: OK (vllm==0.31.0, ")
-    # the config it would run: one round, one shard, SmolLM2 in every role on vLLM, tiny's sizes
-    from dynamicrubric.config import load_config
+    assert line.startswith("gpu_smoke --check: OK (tiny dry run on the CPU in ")
+    assert "tiny: 139,648 params" in line and f"no {tmp_path / 'none'} yet" in line
 
-    cfg = load_config(tmp_path / "smoke.yaml")
-    assert (cfg.preset, cfg.pipeline.rounds, cfg.pipeline.shards) == ("tiny", 1, 1)
-    assert {cfg.models.policy, cfg.models.generator, cfg.models.verifier} == {"smollm2-135m-instruct"}
-    assert (cfg.engine.engine, cfg.engine.device) == ("vllm", "cuda")
-    assert (tmp_path / "smoke-pipeline.yaml").stat().st_size > 0
-
-
-def test_check_names_a_broken_input(tmp_path):
-    dockerfile = tmp_path / "gpu.Dockerfile"
-    dockerfile.write_text("FROM scratch\nARG VLLM_VERSION=0.33.0\n")  # no MLFLOW_VERSION / KFP_VERSION
-    done = _run("--check", GPU_DOCKERFILE=str(dockerfile), GPU_SMOKE_WORK=str(tmp_path))
-    assert done.returncode == 1
-    assert done.stdout.strip() == (
-        f"gpu_smoke: FAIL at inputs: {dockerfile} lacks one of ARG VLLM_VERSION, MLFLOW_VERSION, KFP_VERSION"
+    result = json.loads((tmp_path / "gpu_step.json").read_text())
+    assert result["ok"] and result["problems"] == []
+    assert (result["device"], result["shape"], result["params_on"]) == ("cpu", "tiny", ["cpu"])
+    # 2 x (7 linears 36,864 + norms 160) + embedding and LM head 2 x 512 x 64 + final norm 64
+    assert result["params"] == result["params_by_arithmetic"] == 139_648
+    # r=16 x (in + out) over q, k, v, o, gate, up, down = 16 x 1,024 per layer, 2 layers
+    assert result["lora_params"] == result["lora_params_by_arithmetic"] == 32_768
+    settings = result["settings"]
+    # the paper preset's train-policy settings for one process; one group of K=8 in two micro-batches of 4
+    assert (settings["micro_batch_size"], settings["gradient_checkpointing"], settings["beta"]) == (
+        4,
+        True,
+        0.01,
     )
+    assert (settings["k"], settings["gradient_accumulation_steps"], settings["learning_rate"]) == (8, 2, 1e-6)
+    assert (settings["lora_rank"], settings["max_completion_length_paper"]) == (16, 2048)
+    assert "why_lora" in settings and "why_shorter" in settings
+    # every phase was reached and has the plan's expectation beside it; no GPU numbers on the CPU
+    assert list(result["phases"]) == list(gpu_step.PHASES) == list(result["expected"])
+    for name, row in result["phases"].items():
+        assert row["wall_s"] >= 0 and "peak_gib" not in row
+        assert result["expected"][name]["expected_gib"] > 0
+        assert result["expected"][name]["arithmetic"].startswith("bf16 weights 139,648 x 2 B")
+    assert "activation_memory_gib 16" in result["expected"]["update"]["arithmetic"]
+    # the step trained on rewards that differ within the group, on max-length completions
+    log = result["step_log"]
+    assert log["step"] == 1 and log["reward_std"] > 0 and log["completions/mean_length"] == 8
+    assert {"torch", "transformers", "trl", "peft", "accelerate"} <= set(result["versions"])
+
+
+def test_the_8b_shape_and_its_memory_plan():
+    assert gpu_step.param_count(gpu_step.QWEN3_8B) == 8_190_735_360  # Qwen3-8B: 8.19B
+    assert gpu_step.lora_param_count(gpu_step.QWEN3_8B, 16) == 43_646_976
+    settings = gpu_step.step_settings(tiny=False)
+    settings.pop("_train_config")
+    plan = {
+        name: round(row["expected_gib"], 2)
+        for name, row in gpu_step.expectations(gpu_step.QWEN3_8B, settings).items()
+    }
+    # bf16 weights 15.26 GiB; LoRA fp32 weights 0.16, with grads and Adam 0.65; KV cache 8 x 1,536 tokens
+    # x 144 KiB = 1.69; the paper preset's activation allowance 16
+    assert plan == {
+        "build": 15.42,
+        "generation": 17.11,
+        "reference": 31.42,
+        "reward": 15.91,
+        "update": 31.91,
+        "end_of_step": 15.91,
+    }
+
+
+def test_the_synthetic_tokenizer_decodes_every_id_of_qwen3s_vocabulary():
+    vocab = gpu_step.QWEN3_8B["vocab_size"]
+    tokenizer = gpu_step.build_tokenizer(vocab)
+    tokens = tokenizer.convert_ids_to_tokens(list(range(vocab)))
+    assert len(tokenizer) == vocab and len(set(tokens)) == vocab and None not in tokens
+    assert tokenizer.eos_token_id == vocab - 1
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "w1 w2"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text == "<|im_start|>user\nw1 w2<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.unk_token_id not in ids and len(ids) == 7
+
+
+def _wheel_folder(path: Path, leave_out: str = "") -> Path:
+    path.mkdir()
+    for name in _needed_wheels():
+        if name != leave_out:
+            (path / f"{name}-1.0-py3-none-any.whl").write_bytes(b"")  # the script checks names only here
+    return path
+
+
+def _needed_wheels() -> list[str]:
+    text = SCRIPT.read_text()
+    return text.split('NEEDED="', 1)[1].split('"', 1)[0].split()
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has an NVIDIA GPU")
-def test_without_a_gpu_it_stops_before_building_anything(tmp_path):
-    done = _run(GPU_VENV=str(tmp_path / "venv"))
-    assert done.returncode == 1
-    assert done.stdout.strip() == "gpu_smoke: FAIL at inputs: no NVIDIA GPU visible (nvidia-smi -L)"
-    assert not (tmp_path / "venv").exists()
-    assert _run("--bogus").stdout.strip().endswith("unknown argument --bogus (expected nothing or --check)")
+def test_without_a_gpu_or_wheels_it_stops_before_building_anything(tmp_path):
+    assert {"trl", "datasets", "pydantic_core", "pip", "dynamicrubric"} <= set(_needed_wheels())
+    work = tmp_path / "work"
+    wheels = _wheel_folder(tmp_path / "wheels")
+    done = _run(GPU_SMOKE_WHEELS=str(wheels), GPU_SMOKE_WORK=str(work))
+    assert (done.returncode, done.stdout.strip()) == (
+        1,
+        "gpu_smoke: FAIL at gpu: no NVIDIA GPU visible (nvidia-smi -L)",
+    )
+    assert not work.exists()
+
+    partial = _wheel_folder(tmp_path / "partial", leave_out="trl")
+    done = _run(GPU_SMOKE_WHEELS=str(partial), GPU_SMOKE_WORK=str(work))
+    assert done.stdout.strip() == (
+        f"gpu_smoke: FAIL at inputs: no wheel of: trl in {partial} (run bench/gpu_smoke.sh --prepare)"
+    )
+    done = _run(GPU_SMOKE_WHEELS=str(tmp_path / "absent"))
+    assert done.stdout.strip().startswith(
+        f"gpu_smoke: FAIL at inputs: no wheel folder {tmp_path / 'absent'} "
+    )
+    assert (
+        _run("--bogus")
+        .stdout.strip()
+        .endswith("unknown argument --bogus (expected nothing, --prepare or --check)")
+    )
+
+
+def test_a_phase_above_the_tolerance_fails_the_step():
+    settings = gpu_step.step_settings(tiny=True)
+    settings.pop("_train_config")
+    expected = gpu_step.expectations(gpu_step.TINY, settings)
+    counts = {"params": 139_648, "params_by_arithmetic": 139_648, "lora_params": 32_768}
+    result = {**counts, "lora_params_by_arithmetic": 32_768, "expected": expected}
+    limit = gpu_step.TOLERANCE * expected["update"]["expected_gib"]
+    result["phases"] = {name: {"wall_s": 1.0, "peak_gib": 0.0} for name in gpu_step.PHASES}
+    result["phases"]["update"]["peak_gib"] = limit * 0.99
+    assert gpu_step.verdict(result) == []
+    result["phases"]["update"]["peak_gib"] = limit * 1.01
+    (problem,) = gpu_step.verdict(result)
+    assert problem.startswith(f"update peaked at {limit * 1.01:.2f} GiB > 1.25 x expected ")
+    del result["phases"]["reward"]
+    assert "phases never reached: reward" in gpu_step.verdict(result)
