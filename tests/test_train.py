@@ -106,6 +106,22 @@ def test_per_step_artifacts_validate_and_metrics_are_recorded(tmp_path):
     assert not Path(f"{tmp_path / 'policy'}.work").exists()  # trainer checkpoints cleaned up
 
 
+def test_prompts_with_and_without_reference_and_meta_train(tmp_path):
+    """A user's pool where only some rows carry a reference or meta: the missing ones reach the trainer
+    as None (pandas 3 reads them as NaN, which `Dataset.from_dict` refused after the models loaded)."""
+    cfg = _cfg(data={"num_prompts": 4})
+    rows = tasks.configured_prompts(cfg.data, "train").to_dict("records")
+    rows[1]["reference"] = rows[2]["meta"] = rows[3]["reference"] = rows[3]["meta"] = None
+    uri = str(tmp_path / "mixed.parquet")
+    write_artifact(uri, "prompts", rows)
+    train.launch(
+        "train-policy", cfg, prompts_uri=uri, policy="tiny-random", generator="tiny-random",
+        out_uri=str(tmp_path / "policy"), steps_uri=str(tmp_path / "steps"), round_idx=1,
+    )  # fmt: skip
+    assert store.is_complete(str(tmp_path / "policy"))
+    assert read_frame(uri, "prompts")["reference"].isna().sum() == 2  # the file really mixes them
+
+
 def test_aggregate_stage_reruns_on_a_step_artifacts(tmp_path):
     from dynamicrubric.cli import main
 

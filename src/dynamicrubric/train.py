@@ -65,7 +65,7 @@ import pandas as pd
 import torch
 
 from dynamicrubric import store
-from dynamicrubric.artifacts import read_frame, read_frames, write_artifact
+from dynamicrubric.artifacts import read_artifact, read_frames, write_artifact
 from dynamicrubric.config import Config, TrainConfig, served_roles
 
 log = logging.getLogger(__name__)
@@ -121,15 +121,7 @@ def train_policy(
 
     if store.is_complete(out_uri):
         return _already_done(out_uri, metrics_uri)
-    prompts = read_frame(prompts_uri, "prompts")
-    dataset = {
-        "prompt": [[{"role": "user", "content": p}] for p in prompts["prompt"]],
-        "prompt_id": prompts["prompt_id"].tolist(),
-        "prompt_text": prompts["prompt"].tolist(),
-        "task": prompts["task"].tolist(),
-        "reference": prompts["reference"].tolist(),
-        "meta": prompts["meta"].tolist(),
-    }
+    dataset = policy_dataset(prompts_uri)
     reward = PolicyReward(
         cfg,
         steps_uri=steps_uri,
@@ -197,6 +189,23 @@ def train_evaluator(
         constrain_items=cfg.rubrics.num_items if cfg.rubrics.constrained else None,
         enable_thinking=cfg.models.enable_thinking.generator,
     )
+
+
+def policy_dataset(prompts_uri: str) -> dict[str, list]:
+    """One row per prompt of the pool, its columns as Python lists.
+
+    Read through Arrow, not pandas: pandas 3 turns a missing reference or meta into NaN, a float that
+    `Dataset.from_dict` refuses in a string column; Arrow gives None."""
+    table = read_artifact(prompts_uri, "prompts")
+    column = {name: table.column(name).to_pylist() for name in table.schema.names}
+    return {
+        "prompt": [[{"role": "user", "content": p}] for p in column["prompt"]],
+        "prompt_id": column["prompt_id"],
+        "prompt_text": column["prompt"],
+        "task": column["task"],
+        "reference": column["reference"],
+        "meta": column["meta"],
+    }
 
 
 def evaluator_dataset(
