@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -477,3 +479,56 @@ def test_four_megabyte_prompt_is_rejected_by_the_judge(good, tmp_path, capsys):
     code, output = run_cli(stage_argv("judge", good, out, rollouts=rollouts), capsys)
     line = assert_clean_failure(code, output, out)
     assert "judge: prompt" in line and "exceeds the context length 2048 of 'tiny-random'" in line, line
+
+
+# ---- the training stages, as a user runs them: a fresh process, its whole output (both descriptors)
+
+
+def run_cli_process(argv: list[str]) -> tuple[int, str]:
+    """`dynrubric ...` in its own process, stdout and stderr together: the training stages start
+    `accelerate launch` children, whose output capsys would not see."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "dynamicrubric.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    return proc.returncode, proc.stdout
+
+
+TRAIN_CASES = [("train-policy", "prompts", "missing-column"), ("train-evaluator", "rollouts", "wrong-type")]
+
+
+@pytest.mark.parametrize("stage,kind,how", TRAIN_CASES, ids=[f"{s}-{k}-{h}" for s, k, h in TRAIN_CASES])
+def test_training_refuses_a_bad_input_before_it_launches(stage, kind, how, good, tmp_path):
+    """The inputs are read in the launching process: one line, no traceback from a training child."""
+    bad = bad_file(kind, how, tmp_path)
+    out = tmp_path / "out"
+    code, output = run_cli_process(stage_argv(stage, good, out, **{kind: bad}))
+    line = assert_clean_failure(code, output, out)
+    assert Path(bad).name in line, line
+    assert "accelerate" not in output, output[-2000:]  # no training process was started
+
+
+def test_training_refuses_a_prompt_over_the_context(good, tmp_path):
+    out = tmp_path / "out"
+    code, output = run_cli_process(stage_argv("train-policy", good, out, prompts=_long_prompts(tmp_path)))
+    line = assert_clean_failure(code, output, out)
+    assert line.startswith("error: train-policy: prompt 'p0' has "), line
+    assert "exceeds the context length 2048 of 'tiny-random'" in line, line
+    assert "accelerate" not in output, output[-2000:]
+
+
+def test_evaluator_training_refuses_a_candidate_set_over_the_context(good, tmp_path):
+    """The generator's prompt holds the set's task: a 4 MB one cannot fit."""
+    rows = [dict(r) for r in ROLLOUTS]
+    for row in rows[:2]:  # both samples of p0 share the prompt
+        row["prompt"] = "1 + " * (1 << 20)  # 4 MB
+    rollouts = _write(tmp_path / "long.parquet", "rollouts", rows)
+    out = tmp_path / "out"
+    code, output = run_cli_process(stage_argv("train-evaluator", good, out, rollouts=rollouts))
+    line = assert_clean_failure(code, output, out)
+    assert line.startswith("error: train-evaluator: prompt 'p0' has "), line
+    assert "exceeds the context length 2048 of 'tiny-random'" in line, line

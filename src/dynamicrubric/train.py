@@ -240,6 +240,47 @@ def evaluator_dataset(
     return columns
 
 
+def stage_inputs(
+    stage: str, cfg: Config, inputs: dict[str, Any]
+) -> tuple[dict[str, list], str, int, bool | None]:
+    """A stage's dataset (its input artifacts read and validated), starting model, completion length
+    and thinking switch, from the keyword arguments `launch` takes."""
+    if stage == "train-policy":
+        dataset = policy_dataset(inputs["prompts_uri"])
+        return dataset, inputs["policy"], cfg.rollout.max_new_tokens, cfg.models.enable_thinking.policy
+    candidate_sets = read_frames(inputs["candidates"], "rollouts")
+    anchors = read_frames(inputs["anchors"], "anchors")
+    dataset = evaluator_dataset(cfg, candidate_sets, anchors, inputs.get("round_idx", 0))
+    return dataset, inputs["generator"], cfg.rubrics.max_new_tokens, cfg.models.enable_thinking.generator
+
+
+def check_context(
+    stage: str, cfg: Config, model_ref: str, dataset: dict[str, list], room: int, enable_thinking: bool | None
+) -> None:
+    """Refuse a prompt whose chat, with `room` completion tokens, does not fit the model's context,
+    before any model loads: training would try to allocate many GB for it (a 4 MB prompt: 17 GB). The
+    inference stages refuse it the same way (engines)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = resolve_model_ref(model_ref)
+    limits = [int(getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", 0) or 0)]
+    if cfg.engine.engine == "vllm" and cfg.engine.max_model_len:  # the trainer's vLLM gets this length
+        limits.append(cfg.engine.max_model_len)
+    context = min((n for n in limits if n), default=0)
+    if not context:
+        return  # the model states no context length: nothing to check against
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    switch = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    for prompt_id, messages in zip(dataset["prompt_id"], dataset["prompt"], strict=True):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **switch)
+        length = len(tokenizer.encode(text, add_special_tokens=False))
+        if length + room > context:
+            raise ValueError(
+                f"{stage}: prompt {prompt_id!r} has {length} tokens; with {room} more for its completion it "
+                f"exceeds the context length {context} of {model_ref!r}"
+            )
+
+
 def _already_done(out_uri: str, metrics_uri: str | None) -> dict:
     log.info("%s: checkpoint already complete; nothing to do", out_uri)
     try:  # through the folder's manifest: on S3 its files live under the writer's version
@@ -746,6 +787,12 @@ def launch(stage: str, cfg: Config, **kwargs: Any) -> dict:
     tcfg = getattr(cfg, key)
     if store.is_complete(kwargs["out_uri"]):
         return _already_done(kwargs["out_uri"], kwargs.get("metrics_uri"))
+    # Bad inputs are refused here, in one line, before `accelerate launch` starts processes that would
+    # load the models first and fail with two tracebacks (the process's and accelerate's).
+    dataset, model_ref, room, enable_thinking = stage_inputs(stage, cfg, kwargs)
+    num_generations = cfg.rollout.k if stage == "train-policy" else cfg.rubrics.train_samples
+    _check_batch(stage, tcfg, num_generations, len(dataset["prompt"]))
+    check_context(stage, cfg, model_ref, dataset, room, enable_thinking)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as servers:
         env = dict(os.environ)
         roles = served_roles(cfg, key) if tcfg.reward_gpus else ()
