@@ -190,3 +190,52 @@ def test_the_plan_needs_the_model_sizes_and_skips_cpu_and_hf_configs():
     )
     assert hf.models.params_b.policy is None
     assert load_config(preset="local").models.params_b.policy is None
+
+
+def _alias_bomb() -> str:
+    """A 0.5 KB billion-laughs file: nine levels of nine aliases each, the last under a known key."""
+    lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for i in range(1, 9):
+        lines.append(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]")
+    return "\n".join(["lol:", *("  " + line for line in lines), "rollout:", "  k: *l8"]) + "\n"
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        (_alias_bomb(), "line 3: YAML aliases (*name) are not allowed in a config"),
+        ("rollout:\n  k: " + "[" * 5000 + "]" * 5000 + "\n", "nested more than 32 levels deep"),
+        ("rollout:\n  k: &k 4\nrubrics:\n  num_items: *k\n", "line 4: YAML aliases"),
+    ],
+    ids=["alias-bomb", "5000-deep", "one-alias"],
+)
+def test_hostile_yaml_is_refused_quickly_in_one_line(tmp_path, text, message):
+    import time
+    import tracemalloc
+
+    path = tmp_path / "bomb.yaml"
+    path.write_text(text)
+    assert len(text) < 11_000
+    started = time.process_time()  # CPU time: the cores are shared with other runs
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    seconds = time.process_time() - started
+    tracemalloc.start()  # a second run for the memory: tracing slows the first one's clock
+    try:
+        with pytest.raises(ConfigError):
+            load_config(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    message_only = str(err.value).removeprefix(f"{path}: ")
+    assert message in message_only and message_only != str(err.value)
+    assert "\n" not in message_only and len(message_only) < 200
+    assert seconds < 1 and peak < 100 << 20, (seconds, peak)
+
+
+def test_a_huge_bad_value_is_not_printed_whole(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"rollout": {"k": ["x" * 1000] * 1000}}))
+    with pytest.raises(ConfigError, match="rollout.k") as err:
+        load_config(path)
+    assert len(str(err.value).removeprefix(f"{path}: ")) < 400  # not the 1 MB value

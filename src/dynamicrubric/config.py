@@ -8,6 +8,7 @@ that name the key. Secrets never live here: S3 and MLflow credentials come from 
 from __future__ import annotations
 
 import os
+import reprlib
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -373,8 +374,41 @@ def _format_error(err: ValidationError, source: str) -> str:
         elif not e["loc"]:  # a check across sections: its input would be the whole config
             lines.append(f"{source}: {e['msg'].removeprefix('Value error, ')}")
         else:
-            lines.append(f"{source}: {key}: {e['msg']} (got {e.get('input')!r})")
+            # reprlib: a value of any size is shown in a few dozen characters, never printed whole
+            lines.append(f"{source}: {key}: {e['msg']} (got {reprlib.repr(e.get('input'))})")
     return "\n".join(lines)
+
+
+# A config is a few sections deep; far deeper nesting is a mistake or an attack (a 5,000-deep list
+# overflowed Python's stack in the YAML composer).
+MAX_CONFIG_DEPTH = 32
+
+
+class _Refused(yaml.YAMLError):
+    """YAML the config reader does not take, though it is valid YAML."""
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """safe_load without aliases and with a nesting limit. An alias (*name) reuses a node without
+    copying it, so a 0.4 KB file of nested aliases expands to gigabytes once anything walks the value
+    (validation, or an error message that prints it); a config has no need for them."""
+
+    depth = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            line = self.peek_event().start_mark.line + 1
+            raise _Refused(
+                f"line {line}: YAML aliases (*name) are not allowed in a config; write the value out"
+            )
+        if self.depth >= MAX_CONFIG_DEPTH:
+            line = self.peek_event().start_mark.line + 1
+            raise _Refused(f"line {line}: nested more than {MAX_CONFIG_DEPTH} levels deep")
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
 
 
 def load_config(
@@ -386,13 +420,15 @@ def load_config(
     if path is not None:
         source = str(path)
         try:
-            user = yaml.safe_load(Path(path).read_text()) or {}
+            user = yaml.load(Path(path).read_text(), Loader=_ConfigLoader) or {}  # noqa: S506 (a SafeLoader)
         except FileNotFoundError:
             raise ConfigError(f"{path}: no such config file") from None
         except UnicodeDecodeError as e:
             raise ConfigError(f"{path}: not UTF-8 text (invalid byte at offset {e.start})") from None
         except OSError as e:
             raise ConfigError(f"{path}: cannot read the config file: {e.strerror}") from None
+        except _Refused as e:
+            raise ConfigError(f"{path}: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}".splitlines()[0]) from None
         if not isinstance(user, dict):
