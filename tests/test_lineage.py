@@ -130,6 +130,52 @@ def test_each_checkpoint_carries_only_its_own_role_metrics(tiny_run, walked):
         assert all(k.startswith(prefix) for k in keys), f"{model.name}: {sorted(keys)}"
 
 
+def test_a_stage_runs_span_is_its_tasks_time(tiny_run, walked):
+    """A stage run starts when its task's process starts and ends after its logging, so the UI's
+    duration is the task's time on its `done` line (which also counts the process's exit)."""
+    _, runs = walked
+    checked = 0
+    for task in tiny_run["index"]["tasks"]:
+        run = _run_of(task, runs)
+        if run is None or task.get("seconds") is None:
+            continue  # tasks with no MLflow run of their own (start-tracking, stage-models)
+        duration = (run.info.end_time - run.info.start_time) / 1000
+        where = f"{task['stage']} round {task['round']} shard {task['shard']}"
+        assert duration <= task["seconds"], f"{where}: run {duration:.1f} s, task {task['seconds']} s"
+        # the rest is the process's exit after the run ended; 10% of a task, or a second for short ones
+        assert duration >= task["seconds"] - max(0.1 * task["seconds"], 1.0), (
+            f"{where}: run {duration:.1f} s, task {task['seconds']} s"
+        )
+        checked += 1
+    assert checked >= len(tiny_run["index"]["tasks"]) - 2
+
+
+def test_a_killed_attempts_run_is_marked_failed(tmp_path, monkeypatch):
+    """A task killed while it logged leaves its run RUNNING; the retried task's run marks it FAILED,
+    so only the retry's run reads as the task's result."""
+    from dynamicrubric.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(
+        preset="tiny", overrides={"pipeline": {"mlflow_tracking_uri": f"sqlite:///{tmp_path}/m.db"}}
+    )
+    tracking.start_pipeline_run(cfg, "run-x", rounds=1)
+    mlflow = tracking._mlflow(cfg)
+    with pytest.raises(KeyboardInterrupt), tracking.stage_run(cfg, "run-x", 1, "judge-0"):
+        raise KeyboardInterrupt  # stands in for the kill: mlflow ends the run on an exception...
+    client = mlflow.MlflowClient()
+    (killed,) = client.search_runs(
+        [mlflow.get_experiment_by_name(cfg.pipeline.experiment).experiment_id],
+        filter_string=f"tags.`{tracking.STAGE_TAG}` = 'judge-0'",
+    )
+    client.update_run(killed.info.run_id, status="RUNNING")  # ...which a SIGKILL never lets it do
+    with tracking.stage_run(cfg, "run-x", 1, "judge-0") as retry:
+        retry.log_metrics({"judgments": 1})
+    assert client.get_run(killed.info.run_id).info.status == "FAILED"
+    assert client.get_run(retry.run_id).info.status == "FINISHED"
+    assert client.get_run(retry.run_id).info.start_time <= tracking.process_started() * 1000 + 1
+
+
 @pytest.mark.parametrize(
     "seen, expected",
     [

@@ -239,6 +239,14 @@ def stage_runs_by_round(cfg: Config, parent_run_id: str) -> dict[int, list]:
     return by_round
 
 
+def process_started() -> float:
+    """When this process started, in seconds since the epoch: a task's work (imports, model loading,
+    compute) starts with its process, and so does the task's time on its `done` line."""
+    import psutil  # a dependency of accelerate, peft and trl
+
+    return psutil.Process().create_time()
+
+
 @contextlib.contextmanager
 def stage_run(
     cfg: Config, run_name: str, round_idx: int, stage: str, *, started: float | None = None
@@ -248,11 +256,16 @@ def stage_run(
     `stage` is spelled as the CLI spells it (train_policy → train-policy). On leaving, the numbers
     given to log_metrics and the stage's time are printed as the task's one summary line (logs.py).
 
-    Stages open their run once the work is done (a failed stage leaves no half-logged run), so the
-    run's own start and end times do not cover the work: `started`, the stage's time.perf_counter()
-    when it began, is logged as the metric `stage_wall_s` (model loading included; process start
-    and imports, about 4 s a task, are not).
+    Stages open their run once the work is done, so a stage that fails leaves no half-logged run
+    that could pass for its result; the run is created with the start time of the task's process, so
+    its span in MLflow (start to end, the UI's duration and timeline) covers the work it records.
+    A run that is still RUNNING under the same round with the same stage name is a killed attempt of
+    this task (the process died while logging): it is marked FAILED. `started`, the stage's
+    time.perf_counter() when its function began, is also logged as the metric `stage_wall_s` (model
+    loading included; process start and imports are not).
     """
+    from mlflow.tracking.context.registry import resolve_tags
+
     from dynamicrubric import logs
 
     stage = stage.replace("_", "-")
@@ -276,12 +289,24 @@ def stage_run(
         if not found:
             raise RuntimeError(f"MLflow: run {parent_run_id} has no round-{round_idx} child run")
         nest_under = found[0].info.run_id
-    with mlflow.start_run(
-        run_name=stage,
-        experiment_id=experiment_id,
-        parent_run_id=nest_under,
-        tags={STAGE_TAG: stage, ROUND_TAG: str(round_idx)},
-    ) as run:
+    for stale in client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{nest_under}' and tags.`{STAGE_TAG}` = '{stage}' "
+        "and attributes.status = 'RUNNING'",
+    ):
+        log.warning(
+            "MLflow: run %s of %s was left RUNNING by a killed attempt; marking it FAILED",
+            stale.info.run_id,
+            stage,
+        )
+        client.set_terminated(stale.info.run_id, status="FAILED")
+    # The client's create_run takes a start time (mlflow.start_run does not); resolve_tags adds what
+    # mlflow.start_run would (user, source).
+    tags = resolve_tags({STAGE_TAG: stage, ROUND_TAG: str(round_idx), "mlflow.parentRunId": nest_under})
+    created = client.create_run(
+        experiment_id, start_time=int(process_started() * 1000), tags=tags, run_name=stage
+    )
+    with mlflow.start_run(run_id=created.info.run_id) as run:
         stage_run = StageRun(mlflow, run.info.run_id)
         yield stage_run
         summary = dict(stage_run.summary)
