@@ -239,3 +239,18 @@ def test_a_huge_bad_value_is_not_printed_whole(tmp_path):
     with pytest.raises(ConfigError, match="rollout.k") as err:
         load_config(path)
     assert len(str(err.value).removeprefix(f"{path}: ")) < 400  # not the 1 MB value
+
+
+@pytest.mark.parametrize(
+    "text,key",
+    [
+        ("rollout:\n  temperature: .inf\n", "rollout.temperature"),
+        ("train_policy:\n  learning_rate: -.inf\n", "train_policy.learning_rate"),
+        ("train_evaluator:\n  beta: .nan\n", "train_evaluator.beta"),
+    ],
+)
+def test_float_fields_must_be_finite(tmp_path, text, key):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"{key}: Input should be a finite number"):
+        load_config(path)

@@ -30,7 +30,9 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: an infinite temperature or learning rate would only fail later, deep inside a
+    # stage, as an internal error
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ThinkingConfig(Section):
