@@ -532,3 +532,13 @@ def test_evaluator_training_refuses_a_candidate_set_over_the_context(good, tmp_p
     line = assert_clean_failure(code, output, out)
     assert line.startswith("error: train-evaluator: prompt 'p0' has "), line
     assert "exceeds the context length 2048 of 'tiny-random'" in line, line
+
+
+@pytest.mark.parametrize("command", ["run", "compile"])
+def test_zero_rounds_is_refused(command, tmp_path):
+    """`--rounds 0` ran the config's rounds (0 read as "not given")."""
+    argv = [command, "--preset", "tiny", "--rounds", "0"]
+    code, output = run_cli_process(argv if command == "run" else [*argv, "--out", str(tmp_path / "p.yaml")])
+    line = assert_clean_failure(code, output, None)
+    assert line == "error: --rounds: expected at least 1 round, got 0", line
+    assert not (tmp_path / "p.yaml").exists()

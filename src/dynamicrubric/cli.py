@@ -239,7 +239,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def _config_with_rounds(args: argparse.Namespace):
     from dynamicrubric.config import load_config
 
-    overrides = {"pipeline": {"rounds": args.rounds}} if getattr(args, "rounds", None) else None
+    rounds = getattr(args, "rounds", None)
+    if rounds is not None and rounds < 1:  # checked by value: 0 is falsy and meant the config's rounds
+        raise ConfigError(f"--rounds: expected at least 1 round, got {rounds}")
+    overrides = {"pipeline": {"rounds": rounds}} if rounds is not None else None
     return load_config(args.config, preset=args.preset, overrides=overrides)
 
 
