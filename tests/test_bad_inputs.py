@@ -542,3 +542,32 @@ def test_zero_rounds_is_refused(command, tmp_path):
     line = assert_clean_failure(code, output, None)
     assert line == "error: --rounds: expected at least 1 round, got 0", line
     assert not (tmp_path / "p.yaml").exists()
+
+
+def _same_path_case(case: str, good: dict[str, str], tmp_path: Path) -> tuple[list[str], str]:
+    """argv of a stage with two of its paths made one, and that path."""
+    out = tmp_path / "out"
+    if case == "output-is-an-input":
+        prompts = tmp_path / "prompts.parquet"
+        prompts.write_bytes(Path(good["prompts"]).read_bytes())
+        argv = stage_argv("rollout", good, out, prompts=str(prompts))
+        argv[argv.index("--out") + 1] = str(prompts)
+        return argv, str(prompts)
+    stage, first, second = {
+        "two-outputs-prepare-data": ("prepare-data", "--out-train", "--out-eval"),
+        "two-outputs-aggregate": ("aggregate", "--out-scores", "--out-rewards"),
+    }[case]
+    argv = stage_argv(stage, good, out)
+    argv[argv.index(second) + 1] = argv[argv.index(first) + 1]
+    return argv, argv[argv.index(first) + 1]
+
+
+@pytest.mark.parametrize("case", ["output-is-an-input", "two-outputs-prepare-data", "two-outputs-aggregate"])
+def test_one_path_for_two_files_is_refused(case, good, tmp_path):
+    """These overwrote one file with the other and exited 0."""
+    argv, path = _same_path_case(case, good, tmp_path)
+    before = Path(path).read_bytes() if Path(path).exists() else None
+    code, output = run_cli_process(argv)
+    line = assert_clean_failure(code, output, tmp_path / "out")
+    assert line.startswith(f"error: {path}: an output cannot be written where the "), line
+    assert (Path(path).read_bytes() if Path(path).exists() else None) == before  # untouched

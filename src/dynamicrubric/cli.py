@@ -85,12 +85,12 @@ def _check_shard(args: argparse.Namespace) -> None:
     check_shard(args.shard, args.num_shards)
 
 
-def _preflight(*uris: str) -> None:
-    """Check the outputs can be written before any input is read or model loaded."""
-    from dynamicrubric.store import check_writable
+def _preflight(*uris: str, inputs: tuple[str, ...] = ()) -> None:
+    """Check the outputs can be written, and are not at an input's path, before any input is read or
+    model loaded (the same check as the pipeline's steps)."""
+    from dynamicrubric.steps import preflight
 
-    for uri in uris:
-        check_writable(uri)
+    preflight(*uris, inputs=inputs)
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
@@ -101,7 +101,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     _require(args, "prompts")
     _check_shard(args)
     cfg = _config(args)
-    _preflight(args.out)
+    _preflight(args.out, inputs=(args.prompts,))
     counts = run_rollout(
         args.prompts,
         args.out,
@@ -121,7 +121,7 @@ def cmd_rubrics(args: argparse.Namespace) -> int:
         return _print_counts("rubrics", _rerun("rubrics", args))
     _require(args, "candidate_sets")
     cfg = _config(args)
-    _preflight(args.out)
+    _preflight(args.out, inputs=(args.candidate_sets,))
     counts = run_rubrics(
         args.candidate_sets,
         args.out,
@@ -141,7 +141,7 @@ def cmd_judge(args: argparse.Namespace) -> int:
         return _print_counts("judge", _rerun("judge", args))
     _require(args, "candidate_sets")
     cfg = _config(args)
-    _preflight(args.out)
+    _preflight(args.out, inputs=(args.candidate_sets, args.rubrics))
     counts = run_judge(args.candidate_sets, args.out, cfg, rubrics_uri=args.rubrics, verifier=args.verifier)
     return _print_counts("judge", counts)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -31,11 +32,25 @@ def check_shard(shard: int, num_shards: int) -> None:
         raise ValueError(f"shard (--shard) must be within 0..{num_shards - 1}, got {shard}")
 
 
-def preflight(*uris: str) -> None:
+def preflight(*uris: str, inputs: Sequence[str] = ()) -> None:
     """Check every output can be written before inputs are read or a model is loaded: a missing bucket
-    found after the compute throws the compute away."""
+    found after the compute throws the compute away. Two outputs at one path, or an output at an
+    input's path, would overwrite one with the other without a word, so they are refused too."""
+    seen: dict[str, str] = {}
+    for uri in (u for u in inputs if u):
+        seen.setdefault(_identity(uri), f"the input {uri}")
+    for uri in (u for u in uris if u):
+        other = seen.get(_identity(uri))
+        if other is not None:
+            raise ValueError(f"{uri}: an output cannot be written where {other} is")
+        seen[_identity(uri)] = f"the output {uri}"
     for uri in uris:
         store.check_writable(uri)
+
+
+def _identity(uri: str) -> str:
+    """One spelling per location: a local path resolved (./a and a are one file), an S3 URI as given."""
+    return uri.rstrip("/") if store.is_s3(uri) else str(store.local_path(uri).resolve())
 
 
 def _merged(paths: list[str], kind: str, workdir: str) -> str:
@@ -112,7 +127,7 @@ def rollout(
     started = time.perf_counter()
     cfg = _setup(config_yaml)
     check_shard(shard, num_shards)
-    preflight(out)
+    preflight(out, inputs=[prompts])
     counts = run_rollout(prompts, out, cfg, policy=policy, seed=seed, shard=shard, num_shards=num_shards)
     with tracking.stage_run(cfg, run_name, round_idx, f"{label}-rollout-{shard}", started=started) as run:
         if run:
@@ -163,7 +178,7 @@ def candidates(
     started = time.perf_counter()
     cfg = _setup(config_yaml)
     check_shard(shard, num_shards)
-    preflight(out_candidates, out_anchors)
+    preflight(out_candidates, out_anchors, inputs=[rollouts, prompts, anchor_lists])
     policy_sets = read_frame(rollouts, "rollouts")
     outcome_lists = tasks.anchors_from_outcomes(
         policy_sets, read_frame(prompts, "prompts"), timeout_s=cfg.evaluate.sandbox_timeout_s
@@ -212,7 +227,7 @@ def rubrics(
 
     started = time.perf_counter()
     cfg = _setup(config_yaml)
-    preflight(out)
+    preflight(out, inputs=[candidates])
     counts = run_rubrics(candidates, out, cfg, generator=generator, samples=samples, seed=seed)
     with tracking.stage_run(cfg, run_name, round_idx, f"{label}-rubrics-{shard}", started=started) as run:
         if run:
@@ -240,7 +255,7 @@ def judge(
 
     started = time.perf_counter()
     cfg = _setup(config_yaml)
-    preflight(out)
+    preflight(out, inputs=[candidates, rubrics])
     counts = run_judge(candidates, out, cfg, rubrics_uri=rubrics or None, verifier=verifier)
     with tracking.stage_run(cfg, run_name, round_idx, f"{label}-judge-{shard}", started=started) as run:
         if run:
@@ -276,7 +291,7 @@ def aggregate(
     cfg = _setup(config_yaml)
     variant = "pointwise" if not rubrics else cfg.rubrics.variant
     outputs = (out_scores, out_rewards, out_diagnostics, out_metrics)
-    preflight(*outputs)
+    preflight(*outputs, inputs=[*judgments, *candidates, *rubrics, *anchors, prompts])
     with tempfile.TemporaryDirectory() as work, store.outputs_as_a_set(*outputs) as staged:
         candidates_uri = _merged(candidates, "rollouts", work)
         anchors_uri = _merged(anchors, "anchors", work) if anchors else None
@@ -335,7 +350,7 @@ def train_evaluator(
 
     started = time.perf_counter()
     cfg = _setup(config_yaml)
-    preflight(out_model, out_steps, out_metrics)
+    preflight(out_model, out_steps, out_metrics, inputs=[*candidate_sets, *anchors])
     result = train.launch(
         "train-evaluator",
         cfg,
@@ -384,7 +399,7 @@ def train_policy(
 
     started = time.perf_counter()
     cfg = _setup(config_yaml)
-    preflight(out_model, out_steps, out_metrics)
+    preflight(out_model, out_steps, out_metrics, inputs=[prompts])
     result = train.launch(
         "train-policy",
         cfg,
@@ -448,7 +463,7 @@ def evaluate(
 
     started = time.perf_counter()
     cfg = _setup(config_yaml)
-    preflight(out_metrics, out_plots, out_units)
+    preflight(out_metrics, out_plots, out_units, inputs=[eval_prompts])
     # Metrics, plots and units are published together once all exist: a failure leaves none (no empty
     # plots/). An empty out_units writes no units.
     with store.outputs_as_a_set(out_metrics, out_plots, out_units) as (metrics_out, plots_out, units_out):
