@@ -571,3 +571,15 @@ def test_one_path_for_two_files_is_refused(case, good, tmp_path):
     line = assert_clean_failure(code, output, tmp_path / "out")
     assert line.startswith(f"error: {path}: an output cannot be written where the "), line
     assert (Path(path).read_bytes() if Path(path).exists() else None) == before  # untouched
+
+
+def test_a_non_utf8_prompt_source_is_refused(tmp_path):
+    """prepare-data read a Latin-1 JSONL with replacement characters in its prompts, and exited 0."""
+    source = tmp_path / "latin1.jsonl"
+    source.write_bytes(b'{"prompt": "caf\xe9?"}\n')
+    config = tmp_path / "c.yaml"
+    config.write_text(f"data:\n  sources: [{source}]\n")
+    out = tmp_path / "out"
+    code, output = run_cli_process([*stage_argv("prepare-data", {}, out), "--config", str(config)])
+    line = assert_clean_failure(code, output, out)
+    assert line == f"error: {source}: not UTF-8 text (invalid byte at offset 15, line 1)", line

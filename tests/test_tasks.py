@@ -317,3 +317,10 @@ def test_anchors_from_outcomes(arith, humaneval_eval):
 
     with pytest.raises(TaskError, match="not in the prompts"):
         anchors_from_outcomes(rollouts, prompts.iloc[:2], timeout_s=10)
+
+
+def test_a_non_utf8_file_is_refused_not_decoded_with_replacements(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9?", "answer": "x"}\n')
+    with pytest.raises(TaskError, match=r"not UTF-8 text \(invalid byte at offset 32, line 2\)"):
+        load_prompts([str(path)], 2)

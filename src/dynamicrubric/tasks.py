@@ -310,7 +310,14 @@ def read_records(uri: str) -> list[dict]:
         except (pa.ArrowInvalid, OSError) as e:
             raise TaskError(f"{uri}: not a readable Parquet file ({e})") from e
     else:
-        records = _json_records(uri, data.decode("utf-8", errors="replace"))
+        try:  # strictly: replacement characters would silently change the prompts and references
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data[: e.start].count(b"\n") + 1
+            raise TaskError(
+                f"{uri}: not UTF-8 text (invalid byte at offset {e.start}, line {line})"
+            ) from None
+        records = _json_records(uri, text)
     if not records:
         raise TaskError(f"{uri}: file has no rows")
     for i, rec in enumerate(records):
