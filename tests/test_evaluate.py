@@ -265,6 +265,14 @@ def test_load_labelled_detects_formats(tmp_path):
         load_labelled(str(other))
 
 
+def test_a_packaged_labelled_set_loads_by_name():
+    """The local preset's labelled pairs ship with the package, so a run from any folder finds them."""
+    pairs = load_labelled("dynamicrubric:local_pairs.jsonl")
+    assert pairs["list_id"].nunique() == 16 and sorted(set(pairs["rank"])) == [1, 2]
+    with pytest.raises(ValueError, match="no such labelled set"):
+        load_labelled("dynamicrubric:nothing.jsonl")
+
+
 def _eval_prompts(tmp_path) -> str:
     rg = tasks.load_prompts(["reasoning_gym:basic_arithmetic"], 2, split="eval", seed=0)
     he = tasks.load_prompts(["humaneval"], 1, split="eval", seed=0)

@@ -32,6 +32,7 @@ import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -296,12 +297,28 @@ def win_rate(current: pd.Series, previous: pd.Series) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
+# `data.labelled: ["dynamicrubric:NAME"]` names a labelled set shipped in the package's presets/ folder:
+# a preset cannot name a path, since a run may start in any folder.
+PACKAGED_PREFIX = "dynamicrubric:"
+
+
+def packaged_path(uri: str) -> str:
+    """The file behind a `dynamicrubric:NAME` labelled set; any other URI as it is."""
+    if not uri.startswith(PACKAGED_PREFIX):
+        return uri
+    path = resources.files("dynamicrubric").joinpath("presets", uri.removeprefix(PACKAGED_PREFIX))
+    if not path.is_file():
+        raise ValueError(f"{uri}: no such labelled set in the package (looked for {path})")
+    return str(path)
+
+
 def load_labelled(uri: str) -> pd.DataFrame:
     """An anchors frame from a user file: an `anchors` artifact, Nectar answers, or chosen/rejected pairs.
 
     The format is detected: a dynamicrubric artifact by its footer, otherwise by columns (`chosen` and
-    `rejected`: pairs; `answers`: Nectar).
+    `rejected`: pairs; `answers`: Nectar). `dynamicrubric:NAME` is a set shipped with the package.
     """
+    uri = packaged_path(uri)
     try:
         found = artifact_kind(uri)
     except ArtifactError:
