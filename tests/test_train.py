@@ -348,3 +348,32 @@ def test_online_trainers_on_vllm(tmp_path):
         out_uri=str(tmp_path / "generator"), steps_uri=str(tmp_path / "steps"), round_idx=1,
     )  # fmt: skip
     assert final["rubrics/parse_rate"] == 1.0
+
+
+def test_smaller_lm_head_tiles_change_no_number(monkeypatch):
+    """bound_lm_head_tiles cuts the CPU memory of TRL's fused LM head; log-probs, entropies and their
+    gradients must come out bit for bit the same as with TRL's own tiles."""
+    from trl.kernels import ChunkedLogProbFunction, chunked_logprob
+
+    monkeypatch.setattr(chunked_logprob, "TOKEN_CHUNK_SIZE", chunked_logprob.TOKEN_CHUNK_SIZE)
+    gen = torch.Generator().manual_seed(0)
+    tokens, hidden_size, vocab = 1100, 64, 40_000  # more than two 512-token tiles, two vocabulary chunks
+    weight = torch.randn(vocab, hidden_size, generator=gen) * 0.1
+    hidden = torch.randn(tokens, hidden_size, generator=gen)
+    targets = torch.randint(0, vocab, (tokens,), generator=gen)
+    upstream = torch.randn(2, tokens, generator=gen)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        h = hidden.clone().requires_grad_(True)
+        logps, entropy, *_ = ChunkedLogProbFunction.apply(
+            h, weight, None, targets, 0.7, 32768, None, 1.0, ("entropy",)
+        )
+        ((logps * upstream[0]).sum() + (entropy * upstream[1]).sum()).backward()
+        return logps.detach(), entropy.detach(), h.grad
+
+    before = run()
+    train.bound_lm_head_tiles()
+    assert chunked_logprob.TOKEN_CHUNK_SIZE == train.CPU_LM_HEAD_TILE_TOKENS < tokens
+    after = run()
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a, b)

@@ -567,6 +567,8 @@ def _grpo(
 
     cuda = torch.cuda.is_available()
     state = PartialState(cpu=not cuda)  # without CUDA: gloo processes (TRL's use_cpu joins this state)
+    if not cuda:
+        bound_lm_head_tiles()
     if state.num_processes != tcfg.world_size:
         raise ValueError(
             f"{stage}: world_size is {tcfg.world_size} in the config but {state.num_processes} process(es) "
@@ -660,6 +662,25 @@ def _grpo(
         shutil.rmtree(scratch, ignore_errors=True)
     state.wait_for_everyone()
     return final
+
+
+# Token rows per tile of TRL's fused LM head on a CPU (see bound_lm_head_tiles).
+CPU_LM_HEAD_TILE_TOKENS = 512
+
+
+def bound_lm_head_tiles() -> None:
+    """Smaller tiles for TRL's fused LM head (log-probs without the full logits) on a CPU.
+
+    Without Triton it scores every position in tiles of up to 4,096 tokens × 32,768 vocabulary
+    columns and folds each tile in torch with about eight temporaries of the tile's size: for the
+    generator's micro-batch of 4 completions of ~700 tokens that is ~3 GB at once, the largest
+    allocation of the default run. 512-token tiles bound it to ~0.5 GB. Every token's row is computed
+    by the same operations whatever the tile, so losses and gradients are unchanged
+    (tests/test_train.py checks it bit for bit). TRL reads the module constant at each call.
+    """
+    from trl.kernels import chunked_logprob
+
+    chunked_logprob.TOKEN_CHUNK_SIZE = min(chunked_logprob.TOKEN_CHUNK_SIZE, CPU_LM_HEAD_TILE_TOKENS)
 
 
 def metric_rows(history: list[dict], stage: str, round_idx: int, variant: str) -> list[dict]:
