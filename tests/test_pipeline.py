@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -156,8 +157,8 @@ def test_lineage_run_tree(pipeline_run):
                 name = s.data.tags[tracking.STAGE_TAG]
                 assert t == "2" and name in {f.data.tags[tracking.STAGE_TAG] for f in finished}, name
         for s in finished:  # every stage logged its artifacts as dataset inputs with their URIs
-            # ... and the seconds its work took, which its run's own times do not cover
-            assert s.data.metrics["stage_wall_s"] > (s.info.end_time - s.info.start_time) / 1000 > 0
+            # ... and the seconds its work took, which its run's span covers (it starts with the process)
+            assert (s.info.end_time - s.info.start_time) / 1000 >= s.data.metrics["stage_wall_s"] > 0
             inputs = client.get_run(s.info.run_id).inputs.dataset_inputs
             assert inputs, f"stage {s.data.tags[tracking.STAGE_TAG]} logged no datasets"
             for d in inputs:  # ... whose source is the artifact itself
@@ -251,6 +252,11 @@ def test_default_run_completes(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     table = result.stdout[result.stdout.index("round  mean_gap") :].splitlines()
     assert [line.split()[0] for line in table[1:3]] == ["1", "2"]
+    # The default run shows the signal the method trains on (soft verdicts): some round's evaluator
+    # separates the probe responses (a gap, not all ties), and its accuracy rests on 16+ labelled pairs.
+    rows = [line.split() for line in table[1:3]]
+    assert any(float(r[1]) != 0 and float(r[2]) < 1 for r in rows), table[:3]
+    assert all(int(re.search(r"\(n=(\d+)\)", line).group(1)) >= 16 for line in table[1:3]), table[:3]
     assert "mlflow ui --backend-store-uri sqlite:///" in result.stdout
     assert (tmp_path / "mlflow.db").exists() and any((tmp_path / "runs").iterdir())
 

@@ -71,3 +71,14 @@ def test_cpu_time_and_peak_memory_cover_the_processes_a_task_waits_for(tmp_path)
     assert entry["cpu_user_s"] + entry["cpu_sys_s"] >= 0.45
     assert entry["max_rss_mb"] >= 400  # the child's 400 MiB, not the parent's few MB
     assert "rss " in out.getvalue() and "cpu " in out.getvalue()
+
+
+def test_the_legend_says_how_to_read_a_135m_run():
+    from dynamicrubric.config import load_config
+    from dynamicrubric.launch import format_legend
+
+    rows = [{"mean_gap": 0.01, "tie_rate": 0.5}]
+    local = format_legend(rows, load_config(preset="local"))
+    assert "P(yes)" in local and "SmolLM2-135M plays every role" in local
+    tiny = format_legend(rows, load_config(preset="tiny"))  # hard verdicts, a random 2-layer model
+    assert "P(yes)" not in tiny and "SmolLM2" not in tiny

@@ -397,7 +397,7 @@ class TaskMonitor:
         entry["seconds"] = round(seconds, 1)
         entry["cpu_user_s"] = round(usage.ru_utime, 1)
         entry["cpu_sys_s"] = round(usage.ru_stime, 1)
-        entry["max_rss_mb"] = round(usage.ru_maxrss / 1024)  # Linux reports KiB
+        entry["max_rss_mb"] = round(usage.ru_maxrss * 1024 / 1e6)  # ru_maxrss: KiB on Linux; kept in MB (10^6 B)
         cores_busy = (usage.ru_utime + usage.ru_stime) / max(seconds, 1e-9)
         entry["numbers"] = numbers
         clear = "\r\x1b[2K" if tty else ""
@@ -408,7 +408,7 @@ class TaskMonitor:
             self._write(
                 self.out,
                 f"{clear}{stamp} done   {label:<34} {seconds:6.1f}s  cpu {cores_busy:3.1f}x  "
-                f"rss {entry['max_rss_mb'] / 1024:4.1f} GB  {logs.format_numbers(numbers)}\n",
+                f"rss {entry['max_rss_mb'] / 1000:4.1f} GB  {logs.format_numbers(numbers)}\n",
             )
         else:
             entry["status"] = "failed"
@@ -553,12 +553,35 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def format_legend(rows: list[dict]) -> str:
+# The built-in 135M model: numbers from it need reading at its scale (see scale_notes).
+SMALL_MODEL = "smollm2-135m-instruct"
+
+
+def format_legend(rows: list[dict], cfg: Config | None = None) -> str:
     shown = set(rows[0]) if rows else set()
     width = max(len(name) for name, _ in LEGEND)
     lines = [f"  {name.ljust(width)}  {meaning}" for name, meaning in LEGEND if name in shown]
     lines.append(f"  (n=…) is the sample size; [lo-hi] a 95% Wilson interval, shown when n < {SMALL_N}.")
+    lines += scale_notes(cfg) if cfg is not None else []
     return "\n".join(lines)
+
+
+def scale_notes(cfg: Config) -> list[str]:
+    """How to read the table for this config's verdicts and, with the built-in 135M model, its size."""
+    notes = []
+    if cfg.aggregate.soft:
+        notes.append(
+            "  Scores weight each item by the verifier's P(yes) (aggregate.soft), so two responses tie only "
+            "when V is equally sure of both; hard yes/no verdicts tie far more often."
+        )
+    if {cfg.models.policy, cfg.models.generator, cfg.models.verifier} == {SMALL_MODEL}:
+        notes.append(
+            "  SmolLM2-135M plays every role here: its P(yes) moves little with the response, so gaps are "
+            "small (hundredths), an evaluator_acc within its interval of 0.5 is chance, and a few steps "
+            "of training change nothing measurable. The run shows the signal the method trains on, end to "
+            "end; docs/results.md measures what it does at this size."
+        )
+    return notes
 
 
 def _fmt(value) -> str:
@@ -580,7 +603,7 @@ def report(cfg: Config, result: LocalRun) -> str:
     """What `dynrubric run` prints at the end: the round table with its legend, where everything is,
     and whether anything ran at all."""
     rows = round_table(cfg, result.parent_run_id)
-    out = ["", format_table(rows), "", "Legend:", format_legend(rows), ""]
+    out = ["", format_table(rows), "", "Legend:", format_legend(rows, cfg), ""]
     if result.tasks and result.ran == 0:
         out.append(
             f"All {len(result.tasks)} tasks were cached: nothing ran, the numbers are the earlier run's. "
