@@ -583,3 +583,23 @@ def test_a_non_utf8_prompt_source_is_refused(tmp_path):
     code, output = run_cli_process([*stage_argv("prepare-data", {}, out), "--config", str(config)])
     line = assert_clean_failure(code, output, out)
     assert line == f"error: {source}: not UTF-8 text (invalid byte at offset 15, line 1)", line
+
+
+@pytest.mark.parametrize(
+    "stage,output",
+    [
+        ("train-policy", "metrics.parquet"),
+        ("train-evaluator", "metrics.parquet"),
+        ("rollout", "rollouts.parquet"),
+    ],
+)
+def test_a_folder_where_an_output_file_goes_is_refused_before_the_compute(stage, output, good, tmp_path):
+    """It passed the pre-compute check: the stage computed everything (train-*: the whole training),
+    then failed with a raw [Errno 21] and left its files behind."""
+    out = tmp_path / "out"
+    (out / output).mkdir(parents=True)
+    code, output_text = run_cli_process(stage_argv(stage, good, out))
+    line = assert_clean_failure(code, output_text, None)
+    assert line == f"error: {out / output}: exists and is a folder, not a file", line
+    assert "accelerate" not in output_text and "Loading" not in output_text, output_text[-2000:]
+    assert [p.name for p in out.iterdir()] == [output] and not any((out / output).iterdir())

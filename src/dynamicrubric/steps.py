@@ -32,19 +32,28 @@ def check_shard(shard: int, num_shards: int) -> None:
         raise ValueError(f"shard (--shard) must be within 0..{num_shards - 1}, got {shard}")
 
 
-def preflight(*uris: str, inputs: Sequence[str] = ()) -> None:
-    """Check every output can be written before inputs are read or a model is loaded: a missing bucket
-    found after the compute throws the compute away. Two outputs at one path, or an output at an
-    input's path, would overwrite one with the other without a word, so they are refused too."""
+def preflight(*uris: str, folders: Sequence[str] = (), inputs: Sequence[str] = ()) -> None:
+    """Check every output (`uris` are files, `folders` folders) can be written before inputs are read
+    or a model is loaded: a missing bucket found after the compute throws the compute away. Two outputs
+    at one path, or an output at an input's path, would overwrite one with the other without a word,
+    and a local file output where a folder is (or the reverse) fails only once written, so they are
+    refused too."""
     seen: dict[str, str] = {}
     for uri in (u for u in inputs if u):
         seen.setdefault(_identity(uri), f"the input {uri}")
-    for uri in (u for u in uris if u):
+    for uri in (u for u in (*uris, *folders) if u):
         other = seen.get(_identity(uri))
         if other is not None:
             raise ValueError(f"{uri}: an output cannot be written where {other} is")
         seen[_identity(uri)] = f"the output {uri}"
-    for uri in uris:
+    for uri in (u for u in uris if u and not store.is_s3(u)):
+        if store.local_path(uri).is_dir():
+            raise ValueError(f"{uri}: exists and is a folder, not a file")
+    for uri in (u for u in folders if u and not store.is_s3(u)):
+        path = store.local_path(uri)
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"{uri}: exists and is not a folder")
+    for uri in (*uris, *folders):
         store.check_writable(uri)
 
 
@@ -350,7 +359,7 @@ def train_evaluator(
 
     started = time.perf_counter()
     cfg = _setup(config_yaml)
-    preflight(out_model, out_steps, out_metrics, inputs=[*candidate_sets, *anchors])
+    preflight(out_metrics, folders=(out_model, out_steps), inputs=[*candidate_sets, *anchors])
     result = train.launch(
         "train-evaluator",
         cfg,
@@ -399,7 +408,7 @@ def train_policy(
 
     started = time.perf_counter()
     cfg = _setup(config_yaml)
-    preflight(out_model, out_steps, out_metrics, inputs=[prompts])
+    preflight(out_metrics, folders=(out_model, out_steps), inputs=[prompts])
     result = train.launch(
         "train-policy",
         cfg,
@@ -463,7 +472,7 @@ def evaluate(
 
     started = time.perf_counter()
     cfg = _setup(config_yaml)
-    preflight(out_metrics, out_plots, out_units, inputs=[eval_prompts])
+    preflight(out_metrics, out_units, folders=(out_plots,), inputs=[eval_prompts])
     # Metrics, plots and units are published together once all exist: a failure leaves none (no empty
     # plots/). An empty out_units writes no units.
     with store.outputs_as_a_set(out_metrics, out_plots, out_units) as (metrics_out, plots_out, units_out):
