@@ -603,3 +603,26 @@ def test_a_folder_where_an_output_file_goes_is_refused_before_the_compute(stage,
     assert line == f"error: {out / output}: exists and is a folder, not a file", line
     assert "accelerate" not in output_text and "Loading" not in output_text, output_text[-2000:]
     assert [p.name for p in out.iterdir()] == [output] and not any((out / output).iterdir())
+
+
+VALUE_CASES = [
+    ("prompts", "meta", "not json", "column 'meta' of row 0 is not JSON"),
+    ("scores", "sample_idx", -1, "column 'sample_idx' has value -1, expected 0..2147483647"),
+    ("scores", "rubric_idx", -3, "column 'rubric_idx' has value -3, expected 0..2147483647"),
+    ("rewards", "rubric_idx", -1, "column 'rubric_idx' has value -1, expected 0..2147483647"),
+    ("judgments", "item_idx", -1, "column 'item_idx' has value -1, expected 0..2147483647"),
+]
+
+
+@pytest.mark.parametrize(
+    "kind,column,value,message", VALUE_CASES, ids=[f"{c[0]}-{c[1]}" for c in VALUE_CASES]
+)
+def test_validate_rejects_bad_values(kind, column, value, message, good, tmp_path):
+    """These passed `validate`: a meta a scorer cannot parse, a negative index."""
+    rows = [dict(r) for r in GOOD[kind]]
+    rows[0][column] = value
+    table = pa.Table.from_pylist(rows, schema=artifacts.kind(kind).schema)
+    bad = _write_raw(tmp_path / f"{kind}-{column}.parquet", table, kind)
+    code, output = run_cli_process(["validate", good["prompts"], bad])
+    line = assert_clean_failure(code, output, None, prefix="FAIL ")
+    assert line == f"FAIL {bad}: {message}", line

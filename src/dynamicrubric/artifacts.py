@@ -20,6 +20,7 @@ Kinds (keys in brackets):
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -64,6 +65,7 @@ def _f(name: str, type_: pa.DataType, nullable: bool = False) -> pa.Field:
     return pa.field(name, type_, nullable=nullable)
 
 
+INDEX = (0, 2**31 - 1)  # the range of an index or count column: never negative
 STEP = _f("step", pa.int32())  # the trainer's step that wrote a per-step artifact
 
 
@@ -138,7 +140,11 @@ KINDS: dict[str, Kind] = {
             ),
             keys=("prompt_id", "rubric_idx", "item_idx", "sample_idx"),
             optional=(STEP,),
-            ranges={"weight": (1, 5), "p_yes": (0.0, 1.0)},
+            ranges={
+                "weight": (1, 5),
+                "p_yes": (0.0, 1.0),
+                **dict.fromkeys(("rubric_idx", "item_idx", "sample_idx"), INDEX),
+            },
         ),
         Kind(
             "scores",
@@ -153,7 +159,7 @@ KINDS: dict[str, Kind] = {
             ),
             keys=("prompt_id", "rubric_idx", "sample_idx"),
             optional=(STEP,),
-            ranges={"score": (0.0, 1.0)},
+            ranges={"score": (0.0, 1.0), "rubric_idx": INDEX, "sample_idx": INDEX, "num_items": INDEX},
         ),
         Kind(
             "rewards",
@@ -168,7 +174,7 @@ KINDS: dict[str, Kind] = {
             ),
             keys=("prompt_id", "rubric_idx"),
             optional=(STEP,),
-            ranges={"r_disc": (0.0, 0.25)},
+            ranges={"r_disc": (0.0, 0.25), "rubric_idx": INDEX, "num_items": INDEX},
         ),
         Kind(
             "diagnostics",
@@ -187,7 +193,7 @@ KINDS: dict[str, Kind] = {
             ),
             keys=("prompt_id", "rubric_idx"),
             optional=(STEP,),
-            ranges={"tie_rate": (0.0, 1.0), "mean_score": (0.0, 1.0)},
+            ranges={"tie_rate": (0.0, 1.0), "mean_score": (0.0, 1.0), "rubric_idx": INDEX},
         ),
         Kind(
             "anchors",
@@ -202,7 +208,7 @@ KINDS: dict[str, Kind] = {
                 ]
             ),
             keys=("list_id", "sample_idx"),
-            ranges={"rank": (1, 2**31 - 1)},
+            ranges={"rank": (1, 2**31 - 1), "sample_idx": INDEX},
         ),
         Kind(
             "units",  # the evaluate stage's per-unit values, which its metrics average over
@@ -381,6 +387,8 @@ def validate_table(table: pa.Table, k: Kind, where: str) -> None:
         if lo.as_py() is not None and (lo.as_py() < low or hi.as_py() > high):
             bad = lo.as_py() if lo.as_py() < low else hi.as_py()
             raise ArtifactError(f"{where}: column {col_name!r} has value {bad}, expected {low}..{high}")
+    if k.name == "prompts":
+        _check_meta_is_json(table, where)
     if table.num_rows:
         keys = table.select(list(k.keys)).group_by(list(k.keys)).aggregate([([], "count_all")])
         dup = keys.filter(pc.greater(keys.column("count_all"), 1))
@@ -389,6 +397,18 @@ def validate_table(table: pa.Table, k: Kind, where: str) -> None:
             raise ArtifactError(
                 f"{where}: duplicate key {first} in columns {list(k.keys)} ({dup.num_rows} duplicated key(s))"
             )
+
+
+def _check_meta_is_json(table: pa.Table, where: str) -> None:
+    """A prompt's meta is JSON its task's scorer parses (a generator's config, HumanEval's tests): other
+    text would only fail once the scorer reads it, in the middle of a stage."""
+    for row, meta in enumerate(table.column("meta").to_pylist()):
+        if meta is None:
+            continue
+        try:
+            json.loads(meta)
+        except ValueError:
+            raise ArtifactError(f"{where}: column 'meta' of row {row} is not JSON") from None
 
 
 # Columns where NaN is a value, not an error: a metric that is undefined for a round (no pairs to rank),
