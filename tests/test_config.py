@@ -254,3 +254,10 @@ def test_float_fields_must_be_finite(tmp_path, text, key):
     path.write_text(text)
     with pytest.raises(ConfigError, match=f"{key}: Input should be a finite number"):
         load_config(path)
+
+
+def test_prompt_counts_are_bounded(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  num_prompts: 100000000\n")
+    with pytest.raises(ConfigError, match="data.num_prompts: Input should be less than or equal to 100000"):
+        load_config(path)

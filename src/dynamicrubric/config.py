@@ -123,8 +123,9 @@ class DataConfig(Section):
     # Built-in sources: "reasoning_gym:<task>" (e.g. reasoning_gym:basic_arithmetic), "humaneval";
     # or a path/URI to a JSONL or Parquet file with a `prompt` column.
     sources: list[str] = ["reasoning_gym:basic_arithmetic"]
-    num_prompts: int = Field(8, ge=1)  # per source, per split
-    eval_prompts: int = Field(8, ge=0)  # held-out prompts per source for evaluation
+    # Bounded: prompts are generated in memory, and 100,000,000 hung prepare-data for minutes
+    num_prompts: int = Field(8, ge=1, le=100_000)  # per source, per split
+    eval_prompts: int = Field(8, ge=0, le=100_000)  # held-out prompts per source for evaluation
     anchors: list[str] = []  # Nectar-format or anchors-artifact files used for R_anchor
     anchors_from_outcomes: bool = True  # also rank rollouts by verifiable correctness for R_anchor
     labelled: list[str] = []  # held-out pairs / ranked lists for evaluator accuracy
