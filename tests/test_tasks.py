@@ -324,3 +324,12 @@ def test_a_non_utf8_file_is_refused_not_decoded_with_replacements(tmp_path):
     path.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9?", "answer": "x"}\n')
     with pytest.raises(TaskError, match=r"not UTF-8 text \(invalid byte at offset 32, line 2\)"):
         load_prompts([str(path)], 2)
+
+
+@pytest.mark.parametrize("several", [False, True])
+def test_humaneval_meta_without_its_tests_is_named(several):
+    from dynamicrubric.tasks import score_group
+
+    row = {"prompt_id": "mine/0", "meta": json.dumps({"source": "humaneval", "prompt": "def f():\n"})}
+    with pytest.raises(TaskError, match=r"prompt 'mine/0': its HumanEval meta lacks test, entry_point"):
+        score_group(row, ["    return 1"]) if several else score_response(row, "    return 1")

@@ -403,6 +403,7 @@ def score_response(prompt_row: dict, response: str, *, timeout_s: float = 10) ->
         score = dataset.score_answer(extract_answer(response, entry.get("answer")), entry)
         return min(1.0, max(0.0, float(score)))
     if source == "humaneval":
+        _check_humaneval_meta(meta, prompt_row)
         completion = humaneval_completion(meta, response)
         return _code_score(check_humaneval(meta, completion, timeout_s=timeout_s), prompt_row)
     reference = prompt_row.get("reference")
@@ -427,8 +428,20 @@ def score_group(prompt_row: dict, responses: list[str], *, timeout_s: float = 10
     if _meta(prompt_row).get("source") != "humaneval":
         return [score_response(prompt_row, r, timeout_s=timeout_s) for r in responses]
     meta = _meta(prompt_row)
+    _check_humaneval_meta(meta, prompt_row)
     completions = [humaneval_completion(meta, r) for r in responses]
     return [_code_score(r, prompt_row) for r in check_humaneval_many(meta, completions, timeout_s=timeout_s)]
+
+
+def _check_humaneval_meta(meta: dict, prompt_row: dict) -> None:
+    """A user's HumanEval row must carry the problem's code, tests and function name (it gave a bare
+    KeyError: 'entry_point')."""
+    missing = [k for k in ("prompt", "test", "entry_point") if not isinstance(meta.get(k), str)]
+    if missing:
+        raise TaskError(
+            f"prompt {prompt_row.get('prompt_id')!r}: its HumanEval meta lacks {', '.join(missing)} "
+            "(a string each: the problem's code, its tests, the function they check)"
+        )
 
 
 def _code_score(result: SandboxResult, prompt_row: dict) -> float:
