@@ -772,18 +772,7 @@ class VLLMEngine(Engine):
             params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=labels)
         except TypeError:  # vLLM without logprob_token_ids
             params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
-        prompts = []
-        # The questions about one response come together: tokenize its prefix once, keep only the last.
-        prefix_ids: dict[str, list[int]] = {}
-        for k, (p, s) in enumerate(pairs):
-            if p not in prefix_ids:
-                prefix_ids = {p: self.tokenizer.encode(p, add_special_tokens=False)}
-            suffix = self.tokenizer.encode(s, add_special_tokens=False)
-            if not suffix:
-                raise EngineError(
-                    f"yes_probability: pair {k} has an empty suffix (it must hold at least one token)"
-                )
-            prompts.append({"prompt_token_ids": prefix_ids[p] + suffix})
+        prompts = [{"prompt_token_ids": ids} for ids in _pair_token_ids(self.tokenizer, pairs)]
         outputs = self.llm.generate(prompts, params, use_tqdm=False if bar else _vllm_progress(desc))
         if bar is not None:
             bar.update(len(prompts))
@@ -828,6 +817,23 @@ class VLLMEngine(Engine):
             core.shutdown()  # stops the engine-core process and frees its KV cache and weights
         del llm
         _free_memory()
+
+
+def _pair_token_ids(tokenizer: Any, pairs: list[tuple[str, str]]) -> list[list[int]]:
+    """Each (prefix, suffix) pair as the token ids of prefix + suffix, encoded without special tokens.
+    The questions about one response come together: its prefix is encoded once (only the last kept)."""
+    out: list[list[int]] = []
+    prefix_ids: dict[str, list[int]] = {}
+    for k, (p, s) in enumerate(pairs):
+        if p not in prefix_ids:
+            prefix_ids = {p: tokenizer.encode(p, add_special_tokens=False)}
+        suffix = tokenizer.encode(s, add_special_tokens=False)
+        if not suffix:
+            raise EngineError(
+                f"yes_probability: pair {k} has an empty suffix (it must hold at least one token)"
+            )
+        out.append(prefix_ids[p] + suffix)
+    return out
 
 
 def _logsumexp(values: list[float]) -> float:
@@ -1072,17 +1078,7 @@ class ServerEngine(Engine):
         _check_pairs(pairs)
         if not pairs:
             return []
-        prompts: list[list[int]] = []
-        prefix_ids: dict[str, list[int]] = {}
-        for k, (p, s) in enumerate(pairs):
-            if p not in prefix_ids:  # a response's questions come together: encode its prefix once
-                prefix_ids = {p: self.tokenizer.encode(p, add_special_tokens=False)}
-            suffix = self.tokenizer.encode(s, add_special_tokens=False)
-            if not suffix:
-                raise EngineError(
-                    f"yes_probability: pair {k} has an empty suffix (it must hold at least one token)"
-                )
-            prompts.append(prefix_ids[p] + suffix)
+        prompts = _pair_token_ids(self.tokenizer, pairs)
         too_long = [
             k for k, ids in enumerate(prompts) if self.context_length and len(ids) + 1 > self.context_length
         ]
