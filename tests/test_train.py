@@ -357,7 +357,7 @@ def test_smaller_lm_head_tiles_change_no_number(monkeypatch):
 
     monkeypatch.setattr(chunked_logprob, "TOKEN_CHUNK_SIZE", chunked_logprob.TOKEN_CHUNK_SIZE)
     gen = torch.Generator().manual_seed(0)
-    tokens, hidden_size, vocab = 1100, 64, 40_000  # more than two 512-token tiles, two vocabulary chunks
+    tokens, hidden_size, vocab = 1100, 64, 40_000  # several 256-token tiles, two vocabulary chunks
     weight = torch.randn(vocab, hidden_size, generator=gen) * 0.1
     hidden = torch.randn(tokens, hidden_size, generator=gen)
     targets = torch.randint(0, vocab, (tokens,), generator=gen)
