@@ -397,7 +397,8 @@ class TaskMonitor:
         entry["seconds"] = round(seconds, 1)
         entry["cpu_user_s"] = round(usage.ru_utime, 1)
         entry["cpu_sys_s"] = round(usage.ru_stime, 1)
-        entry["max_rss_mb"] = round(usage.ru_maxrss * 1024 / 1e6)  # ru_maxrss: KiB on Linux; kept in MB (10^6 B)
+        # ru_maxrss is in KiB on Linux; kept in MB (10^6 B)
+        entry["max_rss_mb"] = round(usage.ru_maxrss * 1024 / 1e6)
         cores_busy = (usage.ru_utime + usage.ru_stime) / max(seconds, 1e-9)
         entry["numbers"] = numbers
         clear = "\r\x1b[2K" if tty else ""
