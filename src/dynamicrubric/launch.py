@@ -578,7 +578,7 @@ def scale_notes(cfg: Config) -> list[str]:
     if {cfg.models.policy, cfg.models.generator, cfg.models.verifier} == {SMALL_MODEL}:
         notes.append(
             "  SmolLM2-135M plays every role here: its P(yes) moves little with the response, so gaps are "
-            "small (hundredths), an evaluator_acc within its interval of 0.5 is chance, and a few steps "
+            "small, an evaluator_acc whose interval holds 0.5 is chance, and a few steps "
             "of training change nothing measurable. The run shows the signal the method trains on, end to "
             "end; docs/results.md measures what it does at this size."
         )
