@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dynamicrubric.config import ConfigError, load_config
-from dynamicrubric.serving import ServerError, VLLMServer, reward_gpu_split, reward_servers
+from dynamicrubric.serving import ServerError, VLLMServer, free_port, reward_gpu_split, reward_servers
 
 STAND_IN = """
 import argparse, http.server, os, sys, time
@@ -144,7 +144,9 @@ def test_with_served_models_the_main_process_scores_the_whole_step(tmp_path: Pat
     script = tmp_path / "score.py"
     script.write_text(SCORE_BY_GROUPS)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu"]
-    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script)]
+    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    # A port of its own: accelerate's default 29500 is shared with every other gloo run of the suite.
+    cmd += ["--main_process_port", str(free_port()), str(script)]
     done = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
