@@ -45,14 +45,14 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 test: $(STAMP) lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -q -m 'not slow'
 
 # The project's VLLMEngine against a real vLLM (tests_vllm/); about 3 min after the venv exists.
 test-vllm: $(VLLM_STAMP)
-	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/pytest -q tests_vllm
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/pytest -q tests_vllm --durations=10
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run_all
