@@ -159,6 +159,10 @@ class PolicyReward:
         self.served = _served(cfg, ("generator", "verifier"))
         self.__name__ = f"{self.variant}_score"  # TRL names the reward's metrics after it
 
+    def release_models(self) -> None:
+        """Drop the engines loaded so far (training is over; writing the checkpoint needs the memory)."""
+        self._engines = _engine_cache(self.cfg)
+
     def __call__(
         self,
         prompts: list,
@@ -361,6 +365,10 @@ class GeneratorRewards:
             return self._rewards(completions, completion_ids, **kwargs)[1]
 
         self.functions = [r_disc, r_anchor]
+
+    def release_models(self) -> None:
+        """Drop the engines loaded so far (training is over; writing the checkpoint needs the memory)."""
+        self._engines = _engine_cache(self.cfg)
 
     def _rewards(
         self,

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import hashlib
 import json
 import logging
@@ -57,6 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -137,6 +139,7 @@ def train_policy(
         model_ref=policy,
         dataset=dataset,
         reward_funcs=[reward],
+        release_models=reward.release_models,
         reward_weights=None,
         num_generations=cfg.rollout.k,
         sampling=(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens),
@@ -179,6 +182,7 @@ def train_evaluator(
         model_ref=generator,
         dataset=dataset,
         reward_funcs=rewards.functions,
+        release_models=rewards.release_models,
         reward_weights=[1.0, tcfg.anchor_weight],
         num_generations=cfg.rubrics.train_samples,
         sampling=(cfg.rubrics.temperature, cfg.rubrics.top_p, cfg.rubrics.max_new_tokens),
@@ -550,6 +554,7 @@ def _grpo(
     model_ref: str,
     dataset: dict[str, list],
     reward_funcs: list,
+    release_models: Callable[[], None],
     reward_weights: list[float] | None,
     num_generations: int,
     sampling: tuple[float, float, int],
@@ -654,6 +659,12 @@ def _grpo(
     final = _final_values(rows)
     final["train_wall_s"] = time.perf_counter() - started
     weights = _gather_weights(trainer)  # on every rank: a collective under FSDP
+    # Training is over: the optimizer's state, the gradients, the reference copy and the reward models
+    # go before _write_checkpoint loads a fresh copy beside the weights (that moment set the default
+    # run's peak RSS). The weights themselves stay alive in `weights`.
+    del trainer, model, timer
+    release_models()
+    gc.collect()
     if state.is_main_process:
         if metrics_uri:
             write_artifact(metrics_uri, "metrics", rows)
