@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -626,3 +627,67 @@ def test_validate_rejects_bad_values(kind, column, value, message, good, tmp_pat
     code, output = run_cli_process(["validate", good["prompts"], bad])
     line = assert_clean_failure(code, output, None, prefix="FAIL ")
     assert line == f"FAIL {bad}: {message}", line
+
+
+# ---- `dynrubric run`: what its first tasks would fail on is refused before kfp.local starts
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+RUN_CASES = {
+    "missing-source": (
+        {"data": {"sources": ["{tmp}/nope.jsonl"]}},
+        "error: data.sources: {tmp}/nope.jsonl: no such file",
+    ),
+    "mlflow-server-down": (
+        {"pipeline": {"mlflow_tracking_uri": "http://127.0.0.1:{port}"}},
+        "error: pipeline.mlflow_tracking_uri: http://127.0.0.1:{port}: no MLflow server answers "
+        "(Connection refused)",
+    ),
+    "sqlite-folder-missing": (
+        {"pipeline": {"mlflow_tracking_uri": "sqlite:///{tmp}/no/such/mlflow.db"}},
+        "error: pipeline.mlflow_tracking_uri: sqlite:///{tmp}/no/such/mlflow.db: "
+        "the database's folder {tmp}/no/such does not exist",
+    ),
+    "root-is-a-file": (
+        {"pipeline": {"pipeline_root": "{tmp}/afile/runs"}},
+        "error: pipeline.pipeline_root: {tmp}/afile/runs: Not a directory",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RUN_CASES))
+def test_run_refuses_before_it_launches(case, tmp_path):
+    """These launched the pipeline and failed inside a task (or printed raw errno text)."""
+    import yaml
+
+    (tmp_path / "afile").write_text("")
+    override, expected = RUN_CASES[case]
+    fields = {"tmp": tmp_path, "port": _closed_port()}
+    config = {
+        "preset": "tiny",
+        "pipeline": {
+            "pipeline_root": f"{tmp_path}/runs",
+            "mlflow_tracking_uri": f"sqlite:///{tmp_path}/m.db",
+        },
+    }
+    for section, values in override.items():
+        formatted = {
+            k: (v.format(**fields) if isinstance(v, str) else [x.format(**fields) for x in v])
+            for k, v in values.items()
+        }
+        config[section] = {**config.get(section, {}), **formatted}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    started = time.monotonic()
+    code, output = run_cli_process(["run", "--config", str(path)])
+    line = assert_clean_failure(code, output, None)
+    assert line == expected.format(**fields), line
+    assert time.monotonic() - started < 60, "refused only after a long wait"
+    assert "kfp" not in output.lower(), output[-2000:]

@@ -62,8 +62,7 @@ def run_local(cfg: Config, *, verbose: bool = False, fresh: bool = False) -> Loc
 
     from dynamicrubric.pipelines.co_evolution import build_pipeline, default_run_name
 
-    root = Path(cfg.pipeline.pipeline_root).resolve()
-    root.mkdir(parents=True, exist_ok=True)
+    root = check_before_launch(cfg)
     # use_venv=False: the tasks run with this interpreter, which already has the project installed.
     local.init(
         runner=local.SubprocessRunner(use_venv=False),
@@ -85,6 +84,30 @@ def run_local(cfg: Config, *, verbose: bool = False, fresh: bool = False) -> Loc
     result = LocalRun(run_name, tracking.find_pipeline_run(cfg, run_name) or "", monitor.tasks)
     result.run_dirs, result.index_files = write_index(root, monitor.tasks)
     return result
+
+
+def check_before_launch(cfg: Config) -> Path:
+    """What a local run needs that would otherwise fail inside its first tasks, with one line naming the
+    key: the pipeline root (returned, created), the prompt sources, the MLflow store."""
+    from dynamicrubric.store import StoreError
+    from dynamicrubric.tasks import configured_prompts
+
+    root = Path(cfg.pipeline.pipeline_root).resolve()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=root).close()
+    except OSError as e:
+        raise LaunchError(f"pipeline.pipeline_root: {root}: {e.strerror}") from None
+    for split in ("train", "eval"):
+        try:
+            configured_prompts(cfg.data, split)
+        except (ValueError, OSError, StoreError) as e:
+            raise LaunchError(f"data.sources: {_one_line(e)}") from None
+    uri = tracking.tracking_uri(cfg)
+    problem = tracking.unreachable(uri) if uri else None
+    if problem:
+        raise LaunchError(f"pipeline.mlflow_tracking_uri: {uri}: {problem}")
+    return root
 
 
 def task_threads(

@@ -284,8 +284,10 @@ def write_bytes(uri: str, data: bytes) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, _file_mode())  # mkstemp makes 0600; artifacts are shared like any other file
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):  # named by the user's path: the temp file is ours, and it is gone
+            raise StoreError(f"{uri}: cannot write: {e.strerror}") from None
         raise
 
 

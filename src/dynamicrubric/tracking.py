@@ -38,6 +38,28 @@ def tracking_uri(cfg: Config) -> str:
     return uri
 
 
+def unreachable(uri: str, timeout_s: float = 5.0) -> str | None:
+    """Why the tracking store at `uri` cannot be used from here, or None. A server must answer its
+    /health; a sqlite database's folder must exist (MLflow creates the file, not the folder)."""
+    if uri.startswith(("http://", "https://")):
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s):
+                return None
+        except urllib.error.HTTPError as e:
+            return f"the server answered /health with HTTP {e.code}"
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            return f"no MLflow server answers ({getattr(reason, 'strerror', None) or reason})"
+    if uri.startswith("sqlite:///"):
+        folder = Path(uri.removeprefix("sqlite:///")).parent
+        if not folder.is_dir():
+            return f"the database's folder {folder} does not exist"
+    return None
+
+
 def _mlflow(cfg: Config):
     import mlflow
 
