@@ -56,6 +56,22 @@ def _train_policy(cfg, folder: Path, **kwargs) -> dict:
     )
 
 
+def kill_after_checkpoint(args: list[str], step: int, env: dict[str, str] | None = None) -> None:
+    """A training launch SIGKILLed (with its whole process group) once the trainer checkpoint of `step`
+    is stored: the trainer stalls there (train.STALL_ENV) until the kill."""
+    env = {**os.environ, **(env or {}), train.STALL_ENV: str(step)}
+    proc = subprocess.Popen(
+        train.launch_command(1, args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 600
+    for line in proc.stdout:
+        if f"stalled after step {step}" in line or time.monotonic() > deadline:
+            break
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def _sequence_logprobs(model: str, prompts: list[str], responses: list[str]) -> np.ndarray:
     engine = load_engine(str(train.resolve_model_ref(model)), load_config(preset="tiny").engine)
     texts = [policy_prompt(engine, p) for p in prompts]
@@ -234,17 +250,7 @@ def test_sigkill_mid_run_then_rerun_equals_uninterrupted(tmp_path):
     args = ["train-policy", "--config", str(config), "--prompts-uri", _prompts(folder, cfg), "--policy",
             "tiny-random", "--generator", "tiny-random", "--out-uri", str(folder / "policy"),
             "--steps-uri", str(folder / "steps"), "--round-idx", "1"]  # fmt: skip
-    env = {**os.environ, train.STALL_ENV: "2"}
-    proc = subprocess.Popen(
-        train.launch_command(1, args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 600
-    for line in proc.stdout:
-        if "stalled after step 2" in line or time.monotonic() > deadline:
-            break
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_after_checkpoint(args, step=2)
     assert store.is_complete(str(folder / "policy.work" / "checkpoint-00002"))
     assert not store.is_complete(str(folder / "policy"))
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_train import _cfg, _prompts, _train_policy
+from test_train import _cfg, _prompts, _train_policy, kill_after_checkpoint
 
 from dynamicrubric import store, train
 from dynamicrubric.models import cache_dir, resolve_model
@@ -191,17 +190,7 @@ def test_a_killed_task_resumes_in_a_fresh_scratch_from_its_s3_work_prefix(
             "tiny-random", "--generator", "tiny-random", "--out-uri", out_uri, "--steps-uri",
             str(folder / "steps"), "--round-idx", "1"]  # fmt: skip
     first_cache = tmp_path / "first-pod-cache"
-    env = {**os.environ, train.STALL_ENV: "2", "DYNRUBRIC_CACHE": str(first_cache)}
-    proc = subprocess.Popen(
-        train.launch_command(1, args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 600
-    for line in proc.stdout:
-        if "stalled after step 2" in line or time.monotonic() > deadline:
-            break
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_after_checkpoint(args, step=2, env={"DYNRUBRIC_CACHE": str(first_cache)})
     assert store.is_complete(f"{out_uri}.work/checkpoint-00002")
     assert not store.is_complete(out_uri)
     shutil.rmtree(first_cache)  # the first pod's node-local scratch is gone with it
