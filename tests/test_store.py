@@ -383,6 +383,48 @@ def test_two_folder_writers_never_mix(where, tmp_path, request, monkeypatch):
         assert sorted(p.name for p in Path(base).iterdir()) == ["ckpt-0", "ckpt-1"]
 
 
+def test_a_path_opening_reader_of_a_local_rewrite_sees_one_folder(tmp_path):
+    """A model loader opens file after file by path (`from_pretrained`); while two writers keep swapping
+    their folders in, the folder `resolve_model` hands it always holds one writer's files."""
+    from dynamicrubric.models import resolve_model
+
+    dest = tmp_path / "ckpt"
+    sources = {w: _folder(tmp_path / f"src-{w}", w, names) for w, names in FOLDERS.items()}
+    store.upload_dir(sources["A"], str(dest))
+    stop = threading.Event()
+    reads: list[str] = []
+
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                folder = resolve_model(str(dest))
+                files = {
+                    p.relative_to(folder).as_posix(): p.read_bytes()
+                    for p in sorted(folder.rglob("*"))
+                    if p.is_file() and p.name != store.COMPLETE_MARKER
+                }
+                writer = _writer_of(files)
+                assert sorted(files) == FOLDERS[writer], sorted(files)
+                reads.append(writer)
+            except BaseException as e:  # a mix, or a file gone mid-read
+                errors.append(e)
+
+    watcher = threading.Thread(target=reader)
+    watcher.start()
+    try:
+        for _ in range(60):
+            _race(*(lambda w=w: store.upload_dir(sources[w], str(dest)) for w in "AB"))
+    finally:
+        stop.set()
+        watcher.join()
+    assert not errors, f"{len(errors)} bad reads of {len(errors) + len(reads)}: {errors[0]!r}"
+    assert len(reads) >= 50 and set(reads) == {"A", "B"}, (len(reads), set(reads))
+    store.delete_dir(str(dest))  # takes the pinned versions with it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src-A", "src-B"]
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_rewrite_with_fewer_files_shows_only_the_new_ones(where, tmp_path, request):
     base = str(tmp_path / "out") if where == "local" else f"s3://{request.getfixturevalue('s3_env')}/out"

@@ -80,7 +80,7 @@ def resolve_model(ref: str) -> Path:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelError(f"model folder {ref!r} has no config.json: not a Hugging Face model folder")
-        return path.resolve()
+        return store.pinned_folder(path.resolve())  # one version, even if a writer replaces it
     if path.exists():
         raise ModelError(f"model reference {ref!r} is a file; expected a Hugging Face model folder")
     looks_like_path = ref.startswith((".", "/", "~")) or os.sep in ref.strip("/").replace("/", "", 1)

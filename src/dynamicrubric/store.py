@@ -19,7 +19,8 @@ folder, or none:
   marker wins, and it names one writer's complete set) and a rewrite with fewer files never shows the
   old ones. The writer then deletes the version the marker named before its own.
 - Locally a writer fills a temp folder beside the destination (marker included) and swaps it in with
-  one atomic rename (`renameat2(RENAME_EXCHANGE)` where the filesystem has it).
+  one atomic rename (`renameat2(RENAME_EXCHANGE)` where the filesystem has it). A reader that opens
+  its files by path reads a pinned version (`pinned_folder`).
 """
 
 from __future__ import annotations
@@ -636,6 +637,41 @@ def _swap_in(tmp: Path, dest: Path, uri: str) -> None:
     raise StoreError(f"{uri}: could not swap the folder in (other writers kept replacing it)")
 
 
+def pinned_folder(folder: Path) -> Path:
+    """`folder` as one writer left it, for a reader that opens its files one by one by path (as
+    `from_pretrained` does). A rewrite swaps a whole new folder in at any moment, so such a reader could
+    take some files from the old folder and some from the new. The files of one version (the marker's
+    token, read before and after, and no token ever comes back) are hard-linked into a sibling
+    `.<name>.v-<token>` that no writer touches again. A folder without a manifest (not written by
+    upload_dir) is returned as it is."""
+    for _ in range(100):
+        manifest = read_manifest(str(folder))
+        if manifest is None or manifest["token"] is None:
+            return folder
+        pinned = folder.parent / f".{folder.name}.v-{manifest['token']}"
+        if (pinned / COMPLETE_MARKER).is_file():
+            return pinned
+        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
+        try:
+            for rel in [*manifest["files"], COMPLETE_MARKER]:
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(folder / rel, tmp / rel)
+                except FileNotFoundError:
+                    break  # swapped out under us: the token check below starts over
+            again = read_manifest(str(folder))
+            if again is not None and again["token"] == manifest["token"]:
+                os.chmod(tmp, _dir_mode())
+                with contextlib.suppress(OSError):  # another reader pinned this version first
+                    os.rename(tmp, pinned)
+                return pinned
+        except OSError as e:
+            raise StoreError(f"{folder}: cannot pin a version to read: {e.strerror}") from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    raise StoreError(f"{folder}: kept being rewritten while it was read")
+
+
 def download_dir(uri: str, local_dir: str | Path) -> Path:
     """Fetch a complete folder (exactly the files its marker lists); refuses one without its marker.
     A local folder is returned where it is."""
@@ -693,7 +729,10 @@ def delete_dir(uri: str) -> None:
             delete(join(uri, COMPLETE_MARKER))
         _delete_keys(uri, bucket, [k for k in keys if k != marker])
     else:
-        shutil.rmtree(local_path(uri), ignore_errors=True)
+        path = local_path(uri)
+        shutil.rmtree(path, ignore_errors=True)
+        for pinned in path.parent.glob(f".{path.name}.v-*"):  # versions readers pinned (pinned_folder)
+            shutil.rmtree(pinned, ignore_errors=True)
 
 
 @contextlib.contextmanager
