@@ -26,6 +26,15 @@ def test_local_write_is_atomic_and_leaves_no_temp(tmp_path):
     assert [p.name for p in (tmp_path / "a").iterdir()] == ["b.bin"]
 
 
+def test_a_failed_local_write_names_the_users_path_not_the_temp_file(tmp_path):
+    """A folder where the file goes: os.replace fails naming both paths; the error names the user's."""
+    (tmp_path / "out.parquet").mkdir()
+    with pytest.raises(StoreError) as failure:
+        store.write_bytes(str(tmp_path / "out.parquet"), b"x")
+    assert str(failure.value) == f"{tmp_path / 'out.parquet'}: cannot write: Is a directory"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.parquet"]  # the temp file is gone
+
+
 def test_missing_local_file(tmp_path):
     with pytest.raises(StoreError, match="no such file"):
         store.read_bytes(str(tmp_path / "nope.parquet"))
