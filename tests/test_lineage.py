@@ -137,8 +137,8 @@ def test_each_checkpoint_carries_only_its_own_role_metrics(tiny_run, walked):
 
 
 def test_a_stage_runs_span_is_its_tasks_time(tiny_run, walked):
-    """A stage run starts when its task's process starts and ends after its logging, so the UI's
-    duration is the task's time on its `done` line (which also counts the process's exit)."""
+    """A stage run starts when its task's process starts, and `dynrubric run` moves its end to the
+    process's exit, so the UI's duration is the task's time on its `done` line (issue 24: within 10%)."""
     _, runs = walked
     checked = 0
     for task in tiny_run["index"]["tasks"]:
@@ -147,12 +147,9 @@ def test_a_stage_runs_span_is_its_tasks_time(tiny_run, walked):
             continue  # tasks with no MLflow run of their own (start-tracking, stage-models)
         duration = (run.info.end_time - run.info.start_time) / 1000
         where = f"{task['stage']} round {task['round']} shard {task['shard']}"
-        assert duration <= task["seconds"], f"{where}: run {duration:.1f} s, task {task['seconds']} s"
-        # The rest is the process's exit after the run ended (interpreter teardown with torch and mlflow
-        # loaded), which the run cannot cover: 1-7 s measured on a loaded 2-core VM, so short tasks can
-        # miss issue 24's 10% there. The bound is 10% of a task or 8 s, whichever is larger.
-        assert duration >= task["seconds"] - max(0.1 * task["seconds"], 8.0), (
-            f"{where}: run {duration:.1f} s, task {task['seconds']} s"
+        # +0.1 s: the task's time is rounded to tenths; the process starts after the monitor's clock does
+        assert 0.9 * task["seconds"] <= duration <= task["seconds"] + 0.1, (
+            f"{where}: run {duration:.2f} s, task {task['seconds']} s"
         )
         checked += 1
     assert checked >= len(tiny_run["index"]["tasks"]) - 2

@@ -72,7 +72,9 @@ def run_local(cfg: Config, *, verbose: bool = False, fresh: bool = False) -> Loc
     )
     pipeline = build_pipeline(cfg)
     run_name = fresh_run_name(cfg) if fresh else default_run_name(cfg)
-    monitor = TaskMonitor(verbose=verbose, shards=cfg.pipeline.shards)
+    monitor = TaskMonitor(
+        verbose=verbose, shards=cfg.pipeline.shards, tracking_uri=tracking.tracking_uri(cfg)
+    )
     with monitor.installed():
         try:
             pipeline(config_yaml=cfg.to_yaml(), run_name=run_name)
@@ -291,9 +293,16 @@ class TaskMonitor:
     """Stands in for kfp.local's task runner output while a pipeline runs (see `installed`)."""
 
     def __init__(
-        self, verbose: bool = False, out=None, err=None, shards: int | None = None, cores: int | None = None
+        self,
+        verbose: bool = False,
+        out=None,
+        err=None,
+        shards: int | None = None,
+        cores: int | None = None,
+        tracking_uri: str = "",
     ):
         self.verbose = verbose
+        self.tracking_uri = tracking_uri  # where the tasks' stage runs are, to end them at the exit
         # Side-by-side tasks of a shard loop, to set each task's OMP_NUM_THREADS (see task_threads);
         # None: every task inherits this process's setting.
         self.shards = shards
@@ -381,8 +390,9 @@ class TaskMonitor:
         if self.shards is not None:
             entry["threads"] = int(task_threads(entry, self.shards, cores=self.cores))
             share = {"OMP_NUM_THREADS": str(entry["threads"])}
-        env = {**os.environ, **share, **(env_vars or {}), logs.SUMMARY_ENV: "1"}
         started = time.monotonic()
+        env = {**os.environ, **share, **(env_vars or {}), logs.SUMMARY_ENV: "1"}
+        env[tracking.TASK_STARTED_ENV] = repr(time.time())  # the stage run starts with the task's time
         numbers: dict = {}
         tty = self.err.isatty()
         last_bar = 0.0
@@ -417,6 +427,12 @@ class TaskMonitor:
             _, status, usage = os.wait4(proc.pid, 0)
             proc.returncode = code = os.waitstatus_to_exitcode(status)
         seconds = time.monotonic() - started
+        run_id = numbers.pop(logs.RUN_KEY, None)
+        if code == 0 and run_id and self.tracking_uri:
+            try:
+                tracking.end_stage_run_at(self.tracking_uri, str(run_id), time.time())
+            except Exception as e:  # the task's result stands; only its run's end time is off
+                log.warning("MLflow: could not move the end of run %s to its task's exit: %s", run_id, e)
         entry["seconds"] = round(seconds, 1)
         entry["cpu_user_s"] = round(usage.ru_utime, 1)
         entry["cpu_sys_s"] = round(usage.ru_stime, 1)

@@ -31,9 +31,13 @@ def setup(verbose: bool = False) -> None:
     root.setLevel(level)
 
 
-def emit_summary(numbers: dict[str, object]) -> None:
-    """Print a stage's key numbers as one marked line (finite numbers only, at most 8 of them), when
-    the process is a task of `dynrubric run` (elsewhere the line would only be noise)."""
+RUN_KEY = "mlflow_run_id"  # in the summary line: the stage run `dynrubric run` ends at the task's exit
+
+
+def emit_summary(numbers: dict[str, object], run_id: str | None = None) -> None:
+    """Print a stage's key numbers as one marked line (finite numbers only, at most 8 of them), and
+    the id of its MLflow run, when the process is a task of `dynrubric run` (elsewhere the line would
+    only be noise)."""
     if not os.environ.get(SUMMARY_ENV):
         return
     finite = {
@@ -41,13 +45,15 @@ def emit_summary(numbers: dict[str, object]) -> None:
         for k, v in numbers.items()
         if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
     }
-    keep = dict(list(finite.items())[:8])
+    keep: dict[str, object] = dict(list(finite.items())[:8])
+    if run_id:
+        keep[RUN_KEY] = run_id
     sys.stdout.write(SUMMARY_MARK + json.dumps(keep) + "\n")
     sys.stdout.flush()
 
 
-def parse_summary(line: str) -> dict[str, float] | None:
-    """The numbers of a line written by `emit_summary`, or None for any other line."""
+def parse_summary(line: str) -> dict[str, object] | None:
+    """The numbers (and RUN_KEY) of a line written by `emit_summary`, or None for any other line."""
     text = line.strip()
     if not text.startswith(SUMMARY_MARK):
         return None
