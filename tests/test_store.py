@@ -430,6 +430,8 @@ def test_a_path_opening_reader_of_a_local_rewrite_sees_one_folder(tmp_path):
         watcher.join()
     assert not errors, f"{len(errors)} bad reads of {len(errors) + len(reads)}: {errors[0]!r}"
     assert len(reads) >= 50 and set(reads) == {"A", "B"}, (len(reads), set(reads))
+    pinned = resolve_model(str(dest))
+    assert pinned != dest and resolve_model(str(pinned)) == pinned  # a pinned version is not pinned again
     store.delete_dir(str(dest))  # takes the pinned versions with it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src-A", "src-B"]
 

@@ -646,8 +646,8 @@ def pinned_folder(folder: Path) -> Path:
     upload_dir) is returned as it is."""
     for _ in range(100):
         manifest = read_manifest(str(folder))
-        if manifest is None or manifest["token"] is None:
-            return folder
+        if manifest is None or manifest["token"] is None or folder.name.endswith(f".v-{manifest['token']}"):
+            return folder  # not ours, or already a pinned version
         pinned = folder.parent / f".{folder.name}.v-{manifest['token']}"
         if (pinned / COMPLETE_MARKER).is_file():
             return pinned
