@@ -545,6 +545,36 @@ def test_zero_rounds_is_refused(command, tmp_path):
     assert not (tmp_path / "p.yaml").exists()
 
 
+def _alias_bomb() -> str:
+    """A 0.5 KB billion-laughs config: nine levels of nine aliases, the last under a known key."""
+    lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 9)]
+    return "\n".join(["lol:", *("  " + line for line in lines), "rollout:", "  k: *l8"]) + "\n"
+
+
+HOSTILE_CONFIGS = {
+    "alias-bomb": (_alias_bomb(), "line 3: YAML aliases (*name) are not allowed in a config"),
+    "5000-deep": ("rollout:\n  k: " + "[" * 5000 + "]" * 5000 + "\n", "nested more than 32 levels deep"),
+    "infinite-temperature": ("rollout:\n  temperature: .inf\n", "rollout.temperature"),
+    "infinite-learning-rate": ("train_policy:\n  learning_rate: -.inf\n", "train_policy.learning_rate"),
+    "huge-num-prompts": ("data:\n  num_prompts: 100000000\n", "data.num_prompts"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_CONFIGS))
+def test_a_hostile_config_is_refused_by_the_cli_in_one_line(case, good, tmp_path):
+    """What test_config checks on load_config, here as a user meets it: a stage's whole output, from
+    its own process, before any model loads."""
+    text, message = HOSTILE_CONFIGS[case]
+    config = tmp_path / "c.yaml"
+    config.write_text(text)
+    out = tmp_path / "out"
+    code, output = run_cli_process([*stage_argv("rollout", good, out), "--config", str(config)])
+    line = assert_clean_failure(code, output, out)
+    assert line.startswith(f"error: {config}: ") and message in line, line
+    assert "Loading" not in output, output[-2000:]
+
+
 def _same_path_case(case: str, good: dict[str, str], tmp_path: Path) -> tuple[list[str], str]:
     """argv of a stage with two of its paths made one, and that path."""
     out = tmp_path / "out"
