@@ -319,6 +319,38 @@ def test_anchors_from_outcomes(arith, humaneval_eval):
         anchors_from_outcomes(rollouts, prompts.iloc[:2], timeout_s=10)
 
 
+def test_a_broken_sandbox_leaves_code_unscored_not_wrong(arith, humaneval_eval, monkeypatch, caplog):
+    """A sandbox that cannot start (here: its interpreter is missing) is the machine's fault: the
+    canonical solution gets NaN, not 0, its list leaves it out, and the verifiable reward's judgment
+    carries NaN, which sets the group aside (no reward) instead of teaching that correct code fails."""
+    from dynamicrubric import sandbox
+    from dynamicrubric.rewards import _checker_judgments
+
+    monkeypatch.setattr(sandbox, "_base_python", lambda: "/nonexistent/python3")
+    monkeypatch.setattr(sandbox, "_fallback_python", lambda user: "/nonexistent/python3")
+    he, a = humaneval_eval.iloc[0].to_dict(), arith.iloc[0].to_dict()
+    solution = f"```python\n{he['reference']}```"
+    with caplog.at_level("WARNING"):
+        score = score_response(he, solution)
+    assert score != score, f"a sandbox error scored {score}"  # NaN
+    assert "left unscored" in caplog.text
+
+    rollouts = pd.DataFrame(
+        [
+            {"prompt_id": he["prompt_id"], "sample_idx": i, "response": r}
+            for i, r in enumerate([solution, "no"])
+        ]
+        + [
+            {"prompt_id": a["prompt_id"], "sample_idx": i, "response": r}
+            for i, r in enumerate([a["reference"], "x"])
+        ]
+    )
+    df = anchors_from_outcomes(rollouts, pd.DataFrame([he, a]), timeout_s=10, workers=1)
+    assert list(df["list_id"].unique()) == [a["prompt_id"]]  # the arithmetic list still ranks
+    judgments = _checker_judgments(rollouts, [score_response(he, solution), 0.0, 1.0, 0.0])
+    assert judgments["p_yes"].isna().tolist() == [True, False, False, False]
+
+
 def test_a_non_utf8_file_is_refused_not_decoded_with_replacements(tmp_path):
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9?", "answer": "x"}\n')

@@ -269,8 +269,9 @@ def policy_metrics(scored: pd.DataFrame, k: int) -> dict[str, float]:
             n = per_prompt.size().to_numpy()
             c = per_prompt.apply(lambda s: int((s >= 1.0).sum())).to_numpy()
             out[f"{task}/pass_at_1"] = float(pass_at_k(n, c, 1).mean())
-            if k > 1:
-                out[f"{task}/pass_at_{k}"] = float(pass_at_k(n, c, k).mean())
+            full = n >= k  # a prompt whose unscored samples leave fewer than k has no pass@k estimate
+            if k > 1 and full.any():
+                out[f"{task}/pass_at_{k}"] = float(pass_at_k(n[full], c[full], k).mean())
     out["accuracy"] = avg_at_k(scored)  # every prompt of every task, for one headline number
     return out
 
@@ -419,9 +420,15 @@ def _score_samples(rollouts: pd.DataFrame, prompts: pd.DataFrame, timeout_s: flo
     workers = max(1, min(4, os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         scores = list(pool.map(lambda job: tasks.score_response(job[0], job[1], timeout_s=timeout_s), jobs))
-    return todo[["prompt_id", "sample_idx", "response"]].assign(
+    scored = todo[["prompt_id", "sample_idx", "response"]].assign(
         task=[job[0]["task"] for job in jobs], score=np.asarray(scores, dtype=np.float64)
     )
+    unscored = scored["score"].isna()
+    if unscored.any():  # the sandbox failed on them (logged by tasks): unknown, not wrong
+        log.warning(
+            "evaluate: %d of %d samples left unscored (sandbox errors)", int(unscored.sum()), len(scored)
+        )
+    return scored
 
 
 def _as_rollouts(anchors: pd.DataFrame) -> pd.DataFrame:
@@ -616,7 +623,9 @@ def run_evaluate(
         previous = sample_rollouts(
             pool.get(previous_policy), prompts, prev_cfg, seed=seed, policy=previous_policy
         )
-    scored = _score_samples(rollouts, prompts, ev.sandbox_timeout_s)
+    checked = _score_samples(rollouts, prompts, ev.sandbox_timeout_s)
+    scored = checked[checked["score"].notna()]
+    rows.append(("policy", "unscored", float(len(checked) - len(scored))))
     rows += [("policy", name, value) for name, value in policy_metrics(scored, ev.samples).items()]
     per_prompt = scored.groupby("prompt_id", sort=True)["score"].mean()
     units.append(_units("policy", "avg_at_k", per_prompt.index, per_prompt.to_numpy()))

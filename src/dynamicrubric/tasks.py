@@ -392,8 +392,9 @@ def score_response(prompt_row: dict, response: str, *, timeout_s: float = 10) ->
     """Score in [0, 1] of a response by the prompt's verifiable outcome.
 
     reasoning-gym: the task's own `score_answer` on the extracted answer; HumanEval: 1.0 if the
-    problem's tests pass in the sandbox; other prompts: 1.0 on a normalised exact match of the
-    extracted answer, or the reference occurring as a whole word/number in the response.
+    problem's tests pass in the sandbox (NaN if the sandbox itself failed: unscored, not wrong); other
+    prompts: 1.0 on a normalised exact match of the extracted answer, or the reference occurring as a
+    whole word/number in the response.
     """
     meta = _meta(prompt_row)
     source = meta.get("source")
@@ -445,10 +446,16 @@ def _check_humaneval_meta(meta: dict, prompt_row: dict) -> None:
 
 
 def _code_score(result: SandboxResult, prompt_row: dict) -> float:
-    """1.0 for a pass. A sandbox that failed to set up (not the code's doing) also scores 0, logged, so
-    a broken machine shows in the logs instead of only as rewards that never rise."""
+    """1.0 for a pass, 0.0 for a fail, NaN (unscored) when the sandbox failed to set up: that is the
+    machine's doing, not the code's, and a 0 would tell the policy that correct code is wrong. Callers
+    leave NaN scores out and count them; the cause is logged here."""
     if result.status == "error":
-        log.warning("sandbox error scoring %s: %s", prompt_row.get("prompt_id"), result.stderr.strip()[-500:])
+        log.warning(
+            "sandbox error scoring %s (left unscored): %s",
+            prompt_row.get("prompt_id"),
+            result.stderr.strip()[-500:],
+        )
+        return math.nan
     return 1.0 if result.passed else 0.0
 
 
@@ -662,9 +669,14 @@ def ranked_by_score(scored: pd.DataFrame) -> tuple[pd.DataFrame, int]:
     """Each prompt's responses ranked by their outcome score (dense ranks, 1 = best) as anchor lists,
     and the number of prompts left out because all their scores were equal (no order to learn from).
     `scored` has columns prompt_id, sample_idx, prompt, response, score."""
+    unscored = scored["score"].isna()
+    if unscored.any():  # the sandbox failed on them: their rank is unknown, not last
+        log.warning(
+            "ranking by outcome: %d unscored response(s) left out of their lists", int(unscored.sum())
+        )
     rows: list[dict] = []
     uniform = 0
-    for pid, group in scored.groupby("prompt_id", sort=True):
+    for pid, group in scored[~unscored].groupby("prompt_id", sort=True):
         if group["score"].nunique() < 2:
             uniform += 1
             continue
