@@ -28,7 +28,7 @@ from dynamicrubric import tasks, train
 from dynamicrubric.artifacts import read_frame, write_artifact
 from dynamicrubric.config import Config, load_config
 from dynamicrubric.engines import load_engine
-from dynamicrubric.evaluate import _score_samples
+from dynamicrubric.evaluate import check_samples
 from dynamicrubric.rollout import sample_rollouts
 
 HERE = Path(__file__).parent
@@ -40,7 +40,7 @@ def per_prompt_accuracy(cfg: Config, model: str, prompts: pd.DataFrame) -> pd.Se
     engine = load_engine(str(train.resolve_model_ref(model)), cfg.engine)
     sampling = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"k": cfg.evaluate.samples})})
     rollouts = sample_rollouts(engine, prompts, sampling, seed=EVAL_SEED, policy=model)
-    scored = _score_samples(rollouts, prompts, cfg.evaluate.sandbox_timeout_s)
+    scored = check_samples(rollouts, prompts, cfg.evaluate.sandbox_timeout_s)
     return scored.groupby("prompt_id")["score"].mean().reindex(prompts["prompt_id"])
 
 

@@ -103,7 +103,7 @@ def mixed_share(cfg: Config, sources: list[str], prompts_per_task: int) -> dict[
     """Per task: the share of K-sample sets with mixed checker outcomes (some right, some wrong), and
     the mean accuracy, each with its bootstrap interval over prompts."""
     from dynamicrubric.engines import load_engine
-    from dynamicrubric.evaluate import _score_samples
+    from dynamicrubric.evaluate import check_samples
     from dynamicrubric.rollout import sample_rollouts
 
     engine = load_engine(cfg.models.policy, cfg.engine)
@@ -112,7 +112,7 @@ def mixed_share(cfg: Config, sources: list[str], prompts_per_task: int) -> dict[
         started = time.perf_counter()
         prompts = tasks.load_prompts([source], prompts_per_task, "train", seed=SIZING_SEED)
         rollouts = sample_rollouts(engine, prompts, cfg, seed=SIZING_SEED, policy=cfg.models.policy)
-        scores = _score_samples(rollouts, prompts, cfg.evaluate.sandbox_timeout_s).groupby("prompt_id")[
+        scores = check_samples(rollouts, prompts, cfg.evaluate.sandbox_timeout_s).groupby("prompt_id")[
             "score"
         ]
         out[source] = {
@@ -236,7 +236,7 @@ def make_pairs(out: Path, minimum: int = MIN_PAIRS) -> int:
     """Chosen/rejected pairs from the untrained policy's samples on held-out prompts (one per prompt
     with mixed outcomes), sampling further prompts until there are `minimum`; returns the count."""
     from dynamicrubric.engines import load_engine
-    from dynamicrubric.evaluate import _score_samples
+    from dynamicrubric.evaluate import check_samples
     from dynamicrubric.rollout import sample_rollouts
 
     cfg = load_config(STUDY_CONFIG)
@@ -253,7 +253,9 @@ def make_pairs(out: Path, minimum: int = MIN_PAIRS) -> int:
         prompts = prompts[~prompts["prompt"].isin(study_eval) & ~prompts["prompt_id"].isin(done)]
         done |= set(prompts["prompt_id"])
         rollouts = sample_rollouts(engine, prompts, cfg, seed=PAIR_SEED + batch, policy=cfg.models.policy)
-        scored = _score_samples(rollouts, prompts, cfg.evaluate.sandbox_timeout_s)
+        scored = check_samples(rollouts, prompts, cfg.evaluate.sandbox_timeout_s).merge(
+            rollouts[["prompt_id", "sample_idx", "response"]], on=["prompt_id", "sample_idx"]
+        )
         text = prompts.set_index("prompt_id")["prompt"]
         for prompt_id, group in scored.sort_values(["prompt_id", "sample_idx"]).groupby(
             "prompt_id", sort=True

@@ -256,6 +256,37 @@ def train_policy(
     )
 
 
+def evaluate_samples(
+    config_yaml: str,
+    run_name: str,
+    round_idx: int,
+    base_policy_ref: str,
+    eval_prompts: Input[Dataset],
+    policy: Input[Model],
+    samples: Output[Dataset],
+    previous_policy: Input[Model] = None,
+):
+    from dynamicrubric import steps
+
+    previous = previous_policy.path if previous_policy is not None else base_policy_ref
+    steps.evaluate_samples(
+        config_yaml, run_name, round_idx, eval_prompts.path, policy.path, previous, samples.path
+    )
+
+
+def check_samples(
+    config_yaml: str,
+    run_name: str,
+    round_idx: int,
+    eval_prompts: Input[Dataset],
+    samples: Input[Dataset],
+    outcomes: Output[Dataset],
+):
+    from dynamicrubric import steps
+
+    steps.check_samples(config_yaml, run_name, round_idx, eval_prompts.path, samples.path, outcomes.path)
+
+
 def evaluate(
     config_yaml: str,
     run_name: str,
@@ -264,14 +295,17 @@ def evaluate(
     generator_ref: str,
     verifier_ref: str,
     eval_prompts: Input[Dataset],
-    policy: Input[Model],
     metrics: Output[Dataset],
     plots: Output[Artifact],
     units: Output[Dataset],
     summary: Output[Metrics],
+    policy: Input[Model] = None,
     generator_ckpt: Input[Model] = None,
     previous_policy: Input[Model] = None,
+    samples: Input[Dataset] = None,
+    outcomes: Input[Dataset] = None,
 ):
+    """With `samples` and `outcomes` (the split pipeline) it gets no policy model: they say whose."""
     from dynamicrubric import steps
 
     generator = generator_ckpt.path if generator_ckpt is not None else generator_ref
@@ -281,13 +315,15 @@ def evaluate(
         run_name,
         round_idx,
         eval_prompts.path,
-        policy.path,
+        policy.path if policy is not None else "",
         generator,
         verifier_ref,
-        previous,
+        previous if policy is not None else "",
         metrics.path,
         plots.path,
         units.path,
+        samples=samples.path if samples is not None else "",
+        outcomes=outcomes.path if outcomes is not None else "",
     )
     steps.write_kfp_metrics(summary, result)
 
@@ -303,12 +339,14 @@ STAGES = [
     aggregate,
     train_evaluator,
     train_policy,
+    evaluate_samples,
+    check_samples,
     evaluate,
 ]
 
 
 # Stages that run no model run in the smaller CPU image (stage_models only copies weights).
-CPU_STAGES = {start_tracking, stage_models, prepare_data, candidates, aggregate}
+CPU_STAGES = {start_tracking, stage_models, prepare_data, candidates, aggregate, check_samples}
 
 
 def build(image: str, cpu_image: str) -> SimpleNamespace:

@@ -10,7 +10,8 @@ Round t (KFP v2 has no loops: rounds are unrolled when the pipeline is compiled)
                    and after the generator update (the early-stop rule reads the "after" tie rate)
   policy stage:    train-policy: online GRPO on P_{t-1} (every step samples fresh, G_t writes rubrics,
                    V judges, the scores are the reward) → P_t
-  evaluate:        G_t and P_t on held-out prompts and labelled lists, P_t vs P_{t-1}
+  evaluate:        G_t and P_t on held-out prompts and labelled lists, P_t vs P_{t-1}; where evaluate
+                   has GPUs, as evaluate-samples → check-samples (the code runs on CPU) → evaluate
 Rollout, candidates and the audit fan out over prompt shards (ParallelFor) and are collected for
 aggregation and training.
 
@@ -43,22 +44,38 @@ from dynamicrubric.steps import round_seed
 
 S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
 # Stages that load model weights: they get the model-cache scratch volume.
-MODEL_STAGES = ("stage_models", "rollout", "rubrics", "judge", "train_evaluator", "train_policy", "evaluate")
+MODEL_STAGES = (
+    "stage_models",
+    "rollout",
+    "rubrics",
+    "judge",
+    "train_evaluator",
+    "train_policy",
+    "evaluate_samples",
+    "evaluate",
+)
 CACHE_MOUNT = "/model-cache"
 RETRY_BACKOFF = {"backoff_duration": "60s", "backoff_factor": 2.0, "backoff_max_duration": "1800s"}
 # Stages that run policy-generated code in the sandbox (outcome ranking, HumanEval, the verifiable
 # reward). Their CPU pods carry this label, which the cluster's policies in manifests/cluster/gvisor use
-# to run them under gVisor. A task of theirs that requests GPUs (evaluate and train-policy in the paper
-# preset) is not labelled: gVisor would pin it to gVisor nodes, and a normal GPU pool has none, so it
-# would stay Pending. Its code still runs in the namespace sandbox (src/dynamicrubric/sandbox.py),
-# which refuses to run where the pod may not make namespaces.
-CODE_STAGES = frozenset({"candidates", "aggregate", "evaluate", "train_policy"})
+# to run them under gVisor. A GPU task is never labelled (gVisor would pin it to gVisor nodes, which a
+# normal GPU pool has none of) and runs no policy code: where evaluate gets GPUs its checks move to a
+# CPU task of their own (check-samples, see `split_evaluate`), and train-policy on GPUs leaves code out
+# of its outcome monitoring (config refuses the verifiable reward on code prompts there).
+CODE_STAGES = frozenset({"candidates", "aggregate", "check_samples", "evaluate", "train_policy"})
 RUNS_CODE_LABEL = ("dynamicrubric.io/runs-code", "true")
 
 
 def runs_in_gvisor(cfg: Config, stage: str) -> bool:
     """Whether the stage's tasks carry RUNS_CODE_LABEL: they run code and request no GPU."""
     return stage in CODE_STAGES and not cfg.pipeline.stage_resources(stage).gpus
+
+
+def split_evaluate(cfg: Config) -> bool:
+    """Whether a round's evaluate is three tasks: evaluate-samples (the policies sample, on the
+    evaluate's GPUs) → check-samples (their code checked, CPU) → evaluate (G and V score, metrics).
+    Where evaluate has no GPU it is one task that does all three, as the split costs two task starts."""
+    return bool(cfg.pipeline.stage_resources("evaluate").gpus)
 
 
 def pipeline_variant(cfg: Config) -> str:
@@ -85,7 +102,8 @@ def task_count(cfg: Config) -> int:
     shards, variant = cfg.pipeline.shards, pipeline_variant(cfg)
     audit = {"dynamic": 5 * shards + 2, "static": 3 * shards + 1, "pointwise": 2 * shards + 1}.get(variant, 0)
     generator = 2 * shards + 1 if variant == "dynamic" else 0
-    return 3 + cfg.pipeline.rounds * (generator + audit + 2)
+    evaluate = 3 if split_evaluate(cfg) else 1
+    return 3 + cfg.pipeline.rounds * (generator + audit + 1 + evaluate)
 
 
 def for_cluster(cfg: Config) -> bool:
@@ -337,6 +355,26 @@ def build_pipeline(cfg: Config):
                 f"r{t}-train-policy",
             )
             previous = {"previous_policy": policy_ckpt["policy_ckpt"]} if policy_ckpt else {}
+            held_out = {"eval_prompts": data.outputs["eval_prompts"]}
+            if split_evaluate(cfg):
+                sampled = _configure(cfg, "evaluate_samples")(
+                    c.evaluate_samples(
+                        **common,
+                        round_idx=t,
+                        base_policy_ref=m.policy,
+                        policy=tp.outputs["policy"],
+                        **held_out,
+                        **previous,
+                    ),
+                    f"r{t}-evaluate-samples",
+                )
+                checked = _configure(cfg, "check_samples")(
+                    c.check_samples(**common, round_idx=t, samples=sampled.outputs["samples"], **held_out),
+                    f"r{t}-check-samples",
+                )
+                phases = {"samples": sampled.outputs["samples"], "outcomes": checked.outputs["outcomes"]}
+            else:
+                phases = {"policy": tp.outputs["policy"], **previous}
             _configure(cfg, "evaluate")(
                 c.evaluate(
                     **common,
@@ -344,10 +382,9 @@ def build_pipeline(cfg: Config):
                     base_policy_ref=m.policy,
                     generator_ref=m.generator,
                     verifier_ref=m.verifier,
-                    eval_prompts=data.outputs["eval_prompts"],
-                    policy=tp.outputs["policy"],
+                    **held_out,
                     **generator_ckpt,
-                    **previous,
+                    **phases,
                 ),
                 f"r{t}-evaluate",
             )

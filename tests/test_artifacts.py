@@ -103,6 +103,10 @@ SAMPLES: dict[str, list[dict]] = {
     "metrics": [
         {"round": 1, "stage": "aggregate", "variant": "dynamic", "name": "tie_rate", "step": 0, "value": 0.5}
     ],
+    "outcomes": [  # a null score: the sandbox failed, the sample is unscored
+        {"prompt_id": "p0", "sample_idx": 0, "task": "humaneval", "score": 1.0},
+        {"prompt_id": "p0", "sample_idx": 1, "task": "humaneval", "score": None},
+    ],
     "units": [
         {"round": 1, "variant": "policy", "measure": "avg_at_k", "unit_id": "p1", "value": 0.25},
         {"round": 1, "variant": "dynamic", "measure": "pair_soft", "unit_id": "file0:a|0>1", "value": 0.5},

@@ -132,6 +132,18 @@ def test_paper_preset_gpu_plan_fits_one_8_gpu_node():
     assert cfg.train_policy.vllm_gpu_memory_utilization == 0.3
 
 
+def test_the_verifiable_code_reward_is_refused_in_gpu_training():
+    """The checker of HumanEval runs the policy's code; on GPUs that would be the training pod."""
+    message = r"judge.variant verifiable .* \(pipeline.resources.train_policy.gpus is 8\)"
+    with pytest.raises(ConfigError, match=message):
+        load_config(preset="paper", overrides={"judge": {"variant": "verifiable"}})
+    arithmetic = {"sources": ["reasoning_gym:basic_arithmetic"]}
+    load_config(preset="paper", overrides={"judge": {"variant": "verifiable"}, "data": arithmetic})
+    load_config(
+        preset="tiny", overrides={"judge": {"variant": "verifiable"}, "data": {"sources": ["humaneval"]}}
+    )
+
+
 def test_a_training_plan_that_cannot_fit_is_refused_naming_the_numbers():
     # 80 GiB GPUs: 8.2B x 16 B = 122.2 GiB / 2 = 61.1 GiB + 16 GiB activations + 0.3 x 80 = 24 GiB colocated vLLM
     over = {

@@ -74,14 +74,16 @@ def test_the_pipeline_labels_exactly_the_stages_that_run_code(tmp_path: Path):
     _spec, platform = yaml.safe_load_all(Path(out).read_text())
     executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     key, value = RUNS_CODE_LABEL
-    labelled = set()
+    labelled, present = set(), set()
     for name, config in executors.items():
         stage = re.sub(r"-\d+$", "", name.removeprefix("exec-")).replace("-", "_")
+        present.add(stage)
         if config.get("podMetadata", {}).get("labels", {}).get(key) == value:
             labelled.add(stage)
         else:
             assert stage not in CODE_STAGES, name
-    assert labelled == set(CODE_STAGES)
+    # on CPU evaluate is one task that checks its samples itself: no check-samples task
+    assert labelled == set(CODE_STAGES) - {"check_samples"} and "check_samples" not in present
 
 
 def _executors(out: str) -> tuple[dict, dict]:
@@ -116,5 +118,31 @@ def test_no_gpu_task_is_sent_to_gvisor_nodes(tmp_path: Path):
             labelled += 1
             assert has_label, name
     assert gpu_code_tasks == 2 * cfg.pipeline.rounds  # train-policy and evaluate each round
-    assert labelled > 0  # candidates and aggregate still run under gVisor
-    assert {s for s in CODE_STAGES if runs_in_gvisor(cfg, s)} == {"candidates", "aggregate"}
+    assert labelled > 0  # candidates, aggregate and check-samples run under gVisor
+    assert {s for s in CODE_STAGES if runs_in_gvisor(cfg, s)} == {"candidates", "aggregate", "check_samples"}
+
+
+def test_on_gpus_the_policy_code_of_evaluate_runs_in_a_cpu_task(tmp_path: Path):
+    """The paper preset's evaluate is evaluate-samples (GPU) → check-samples (CPU image, gVisor label)
+    → evaluate (GPU, handed the samples and their outcomes, not the policy's weights)."""
+    cfg = load_config(preset="paper", overrides={"pipeline": {"rounds": 1}})
+    out = compile_pipeline(cfg, str(tmp_path / "p.yaml"))
+    containers, k8s = _executors(out)
+    spec = next(yaml.safe_load_all(Path(out).read_text()))
+    key, value = RUNS_CODE_LABEL
+    tasks = {t["taskInfo"]["name"]: t for t in spec["root"]["dag"]["tasks"].values()}
+    sample, check, evaluate = (tasks[f"r1-{n}"] for n in ("evaluate-samples", "check-samples", "evaluate"))
+
+    def gpus(task):
+        return containers[task["componentRef"]["name"].replace("comp-", "exec-")]["container"].get(
+            "resources", {}
+        )
+
+    assert gpus(sample).get("accelerator") and gpus(evaluate).get("accelerator")
+    assert not gpus(check).get("accelerator")
+    check_exec = check["componentRef"]["name"].replace("comp-", "exec-")
+    assert containers[check_exec]["container"]["image"] == cfg.pipeline.cpu_image
+    assert k8s[check_exec]["podMetadata"]["labels"][key] == value
+    assert set(evaluate["inputs"]["artifacts"]) >= {"samples", "outcomes"}
+    assert not {"policy", "previous_policy"} & set(evaluate["inputs"]["artifacts"])
+    assert check["inputs"]["artifacts"]["samples"]["taskOutputArtifact"]["producerTask"] == "evaluate-samples"

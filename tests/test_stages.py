@@ -261,3 +261,57 @@ def test_evaluate_from_the_cli(tmp_path):
     assert policy["win_rate"] == 0.5  # the same weights on both sides: every comparison ties
     pngs = sorted(plots.glob("*.png"))
     assert pngs and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+def test_evaluate_split_into_three_tasks_gives_the_one_task_result(tmp_path):
+    """On GPUs evaluate runs as evaluate-samples → check-samples (the code runs in a CPU task) →
+    evaluate; chained through their artifacts the three give the one task's metrics and units."""
+    from dynamicrubric.tasks import load_prompts
+
+    prompts = str(tmp_path / "eval.parquet")
+    held_out = pd.concat(
+        [
+            load_prompts(["reasoning_gym:basic_arithmetic"], 2, "eval", 0),
+            load_prompts(["humaneval"], 1, "eval", 0),
+        ]
+    )
+    write_artifact(prompts, "prompts", held_out)
+    pairs = tmp_path / "pairs.jsonl"  # labelled pairs, so the evaluator phase scores lists too
+    pairs.write_text('{"prompt": "What is 2 + 2?", "chosen": "4", "rejected": "5"}\n')
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"data: {{labelled: [{str(pairs)!r}]}}\nevaluate: {{variants: [dynamic, pointwise]}}\n"
+        "rubrics: {max_new_tokens: 60}\n"  # short rubrics (cut off ones score empty): a fast test
+    )
+    common = ["--preset", "tiny", "--config", str(config), "--prompts", prompts, "--round", "1"]
+    models = ["--generator", "tiny-random", "--verifier", "tiny-random"]
+    one = {name: str(tmp_path / f"one-{name}.parquet") for name in ("metrics", "units")}
+    _run(
+        "stage", "evaluate", *common, *models, "--policy", "tiny-random", "--previous-policy", "tiny-random",
+        "--out", one["metrics"], "--units", one["units"], "--plots", str(tmp_path / "one-plots"),
+    )  # fmt: skip
+    split = {
+        name: str(tmp_path / f"split-{name}.parquet") for name in ("samples", "outcomes", "metrics", "units")
+    }
+    _run(
+        "stage", "evaluate-samples", *common, "--policy", "tiny-random", "--previous-policy", "tiny-random",
+        "--out", split["samples"],
+    )  # fmt: skip
+    _run("stage", "check-samples", *common, "--samples", split["samples"], "--out", split["outcomes"])
+    _run(
+        "stage", "evaluate", *common, *models, "--samples", split["samples"], "--outcomes", split["outcomes"],
+        "--out", split["metrics"], "--units", split["units"], "--plots", str(tmp_path / "split-plots"),
+    )  # fmt: skip
+
+    outcomes = read_frame(split["outcomes"], "outcomes")
+    assert set(outcomes["task"]) == {"basic_arithmetic", "humaneval"}  # the code was checked there
+    assert len(read_frame(split["samples"], "rollouts")) == 3 * (1 + 1)  # 1 sample each, +1 previous
+    for name in ("metrics", "units"):
+        kind = name
+        pd.testing.assert_frame_equal(read_frame(split[name], kind), read_frame(one[name], kind))
+    metrics = read_frame(split["metrics"], "metrics").set_index(["variant", "name"])["value"]
+    assert metrics["policy", "win_rate"] == 0.5 and metrics["policy", "unscored"] == 0
+    assert metrics["dynamic", "labelled_pairs"] >= 1 and metrics["pointwise", "labelled_pairs"] >= 1
+    # one of the two phases alone is refused, in one line
+    refused = ["stage", "evaluate", *common, "--samples", split["samples"], "--out", "x", "--plots", "y"]
+    assert cli.main(refused) == 1

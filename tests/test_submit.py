@@ -43,7 +43,15 @@ GPU_NODES = {
 }
 # kfp.Client warns on every construction that it needs a v2.0.0-beta.2+ server; the stand-in is v2beta1.
 pytestmark = pytest.mark.filterwarnings("ignore:This client only works:FutureWarning")
-GPU_STAGES = ("rollout", "rubrics", "judge", "train_evaluator", "train_policy", "evaluate")
+GPU_STAGES = (
+    "rollout",
+    "rubrics",
+    "judge",
+    "train_evaluator",
+    "train_policy",
+    "evaluate_samples",
+    "evaluate",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -176,7 +184,14 @@ def test_submit_paper_creates_run_with_cluster_settings(standin, tmp_path, capsy
         assert [(m.secret_key, m.env_var) for m in secret.key_to_env] == [(k, k) for k in S3_ENV]
         assert [s.secret_name for s in k8s.image_pull_secret] == ["registry-creds"], label
         # no model: CPU image (stage-models only copies weights)
-        light = stage in {"start_tracking", "stage_models", "prepare_data", "candidates", "aggregate"}
+        light = stage in {
+            "start_tracking",
+            "stage_models",
+            "prepare_data",
+            "candidates",
+            "aggregate",
+            "check_samples",
+        }
         assert executor.container.image == (cfg.pipeline.cpu_image if light else cfg.pipeline.image)
 
         res = cfg.pipeline.stage_resources(stage)
@@ -210,8 +225,9 @@ def test_submit_paper_creates_run_with_cluster_settings(standin, tmp_path, capsy
             assert not resources.HasField("accelerator"), label
             assert mounts == {} and env == {}, label
             assert not k8s.HasField("node_selector") and list(k8s.tolerations) == [], label
-    # per round: rollout, rubrics and judge for the generator and for the policy, 2 trainers, evaluate
-    assert gpu_executors == cfg.pipeline.rounds * 9
+    # per round: rollout, rubrics and judge for the generator and for the policy, 2 trainers, and
+    # evaluate's sampling and scoring (its check-samples task between them is a CPU task)
+    assert gpu_executors == cfg.pipeline.rounds * 10
 
     # every task retries (all are safe to rerun, see config.StageResources)
     for (_, name), (task, _) in _dag_tasks(run.pipeline).items():
@@ -238,7 +254,8 @@ def test_submit_paper_creates_run_with_cluster_settings(standin, tmp_path, capsy
             model_tasks += 1
             assert set(refs.values()) == {uri}, key
             assert key in after_staging, f"{key} may start before stage-models"
-    assert model_tasks == cfg.pipeline.rounds * 9  # as compiled: a ParallelFor body counts once
+    # as compiled (a ParallelFor body counts once), evaluate-samples among them
+    assert model_tasks == cfg.pipeline.rounds * 10
 
 
 def test_submit_tiny_twice_reuses_the_experiment(standin, tmp_path, capsys):

@@ -14,6 +14,8 @@ Kinds (keys in brackets):
 - rewards      [prompt_id, rubric_idx]                generator rewards R_disc, R_anchor per rubric
 - diagnostics  [prompt_id, rubric_idx]                signal diagnostics per candidate set and rubric
 - anchors      [list_id, sample_idx]                  ranked response lists (rank 1 = best)
+- outcomes     [prompt_id, sample_idx]                the task checker's score of a held-out sample
+- units        [round, variant, measure, unit_id]     what the evaluate stage's metrics average over
 - metrics      [round, stage, variant, name, step]    numbers for MLflow and reports
 """
 
@@ -209,6 +211,19 @@ KINDS: dict[str, Kind] = {
             ),
             keys=("list_id", "sample_idx"),
             ranges={"rank": (1, 2**31 - 1), "sample_idx": INDEX},
+        ),
+        Kind(
+            "outcomes",  # the held-out samples' checker scores (evaluate's check-samples task)
+            pa.schema(
+                [
+                    _f("prompt_id", pa.string()),
+                    _f("sample_idx", pa.int32()),
+                    _f("task", pa.string()),
+                    _f("score", pa.float64(), nullable=True),  # null: unscored (the sandbox failed)
+                ]
+            ),
+            keys=("prompt_id", "sample_idx"),
+            ranges={"score": (0.0, 1.0), "sample_idx": INDEX},
         ),
         Kind(
             "units",  # the evaluate stage's per-unit values, which its metrics average over

@@ -335,22 +335,44 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
     return _print_counts("train-policy", result)
 
 
+def cmd_evaluate_samples(args: argparse.Namespace) -> int:
+    from dynamicrubric import steps
+
+    cfg = _config(args)
+    result = steps.evaluate_samples(
+        cfg.to_yaml(), "", args.round, args.prompts, args.policy, args.previous_policy or "", args.out
+    )
+    return _print_counts("evaluate-samples", result)
+
+
+def cmd_check_samples(args: argparse.Namespace) -> int:
+    from dynamicrubric import steps
+
+    cfg = _config(args)
+    result = steps.check_samples(cfg.to_yaml(), "", args.round, args.prompts, args.samples, args.out)
+    return _print_counts("check-samples", result)
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from dynamicrubric import steps
 
     cfg = _config(args)
+    if not args.policy and not args.samples:
+        raise ValueError("evaluate: give --policy, or --samples and --outcomes")
     result = steps.evaluate(
         cfg.to_yaml(),
         "",
         args.round,
         args.prompts,
-        args.policy,
+        args.policy or "",
         args.generator or cfg.models.generator,
         args.verifier or cfg.models.verifier,
         args.previous_policy or "",
         args.out,
         args.plots,
         args.units or "",
+        samples=args.samples or "",
+        outcomes=args.outcomes or "",
     )
     return _print_counts("evaluate", result)
 
@@ -526,10 +548,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--round", type=int, default=0)
 
     p = _stage_parser(
-        stages, "evaluate", "evaluator accuracy and policy quality on held-out data", cmd_evaluate
+        stages,
+        "evaluate-samples",
+        "evaluate's first phase: the policy's held-out samples (and the previous policy's, for the win rate)",
+        cmd_evaluate_samples,
     )
     p.add_argument("--prompts", required=True, metavar="URI", help="held-out prompts artifact")
     p.add_argument("--policy", required=True, help="policy reference or checkpoint")
+    p.add_argument("--previous-policy", help="for the win rate of --policy over it")
+    p.add_argument("--out", required=True, metavar="URI", help="rollouts artifact to write")
+    p.add_argument("--round", type=int, default=0)
+
+    p = _stage_parser(
+        stages,
+        "check-samples",
+        "evaluate's second phase: the held-out samples scored by their tasks' checkers (code in the sandbox)",
+        cmd_check_samples,
+    )
+    p.add_argument("--prompts", required=True, metavar="URI", help="held-out prompts artifact")
+    p.add_argument("--samples", required=True, metavar="URI", help="rollouts artifact of evaluate-samples")
+    p.add_argument("--out", required=True, metavar="URI", help="outcomes artifact to write")
+    p.add_argument("--round", type=int, default=0)
+
+    p = _stage_parser(
+        stages, "evaluate", "evaluator accuracy and policy quality on held-out data", cmd_evaluate
+    )
+    p.add_argument("--prompts", required=True, metavar="URI", help="held-out prompts artifact")
+    p.add_argument("--policy", help="policy reference or checkpoint (not with --samples)")
+    p.add_argument("--samples", metavar="URI", help="the held-out samples, from evaluate-samples")
+    p.add_argument("--outcomes", metavar="URI", help="their checker scores, from check-samples")
     p.add_argument("--generator", help="generator reference or checkpoint (default: models.generator)")
     p.add_argument("--verifier", help="default: models.verifier")
     p.add_argument("--previous-policy", help="for the win rate of --policy over it")

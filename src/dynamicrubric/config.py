@@ -21,7 +21,7 @@ PRESETS = ("tiny", "local", "paper")
 # Set by the pipeline on each task that loads models with vLLM, from its stage's resources.gpus: the
 # task's tensor parallelism is the number of GPUs its pod was given (see config_from_yaml).
 TENSOR_PARALLEL_ENV = "DYNRUBRIC_TENSOR_PARALLEL_SIZE"
-INFERENCE_STAGES = ("rollout", "rubrics", "judge", "evaluate")
+INFERENCE_STAGES = ("rollout", "rubrics", "judge", "evaluate_samples", "evaluate")
 GIB = 2**30
 
 
@@ -249,6 +249,10 @@ DEFAULT_STAGE_RESOURCES: dict[str, StageResources] = {
     "judge": StageResources(cpu="2", memory="8Gi"),
     "train_evaluator": StageResources(cpu="2", memory="16Gi", timeout_s=12 * 3600),
     "train_policy": StageResources(cpu="2", memory="16Gi", timeout_s=12 * 3600),
+    # On GPUs evaluate is three tasks (pipelines.co_evolution.split_evaluate): the policies sample on a
+    # pod like evaluate's unless `resources.evaluate_samples` says otherwise; their code is checked on CPU.
+    "evaluate_samples": StageResources(cpu="2", memory="8Gi"),
+    "check_samples": StageResources(cpu="2", memory="4Gi", timeout_s=3600),
     "evaluate": StageResources(cpu="2", memory="8Gi"),
 }
 
@@ -294,7 +298,9 @@ class PipelineConfig(Section):
         return value
 
     def stage_resources(self, stage: str) -> StageResources:
-        """The stage's entry in `resources`, else its default."""
+        """The stage's entry in `resources`, else its default (evaluate's for evaluate_samples)."""
+        if stage == "evaluate_samples" and stage not in self.resources and "evaluate" in self.resources:
+            return self.resources["evaluate"]
         return self.resources.get(stage) or DEFAULT_STAGE_RESOURCES.get(stage, StageResources())
 
 
@@ -324,6 +330,19 @@ class Config(Section):
                     f"engine.tensor_parallel_size is {tp} but pipeline.resources.{stage}.gpus is {gpus}: "
                     "on a cluster a task's tensor parallelism is its GPU count; leave tensor_parallel_size at 1"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _no_policy_code_in_gpu_training(self) -> Config:
+        # Policy code runs only in CPU tasks (gVisor where the cluster has it); the checker of the
+        # verifiable reward would run it inside the GPU training pod, step after step.
+        gpus = self.pipeline.stage_resources("train_policy").gpus
+        if self.judge.variant == "verifiable" and gpus and "humaneval" in self.data.sources:
+            raise ValueError(
+                "judge.variant verifiable rewards HumanEval prompts by running the policy's code, which "
+                f"would run in the training pod (pipeline.resources.train_policy.gpus is {gpus}); policy "
+                "code runs only in CPU tasks: leave humaneval out of data.sources for this baseline"
+            )
         return self
 
     @model_validator(mode="after")

@@ -46,12 +46,12 @@ from dynamicrubric.engines import Engine, load_engine
 from dynamicrubric.judge import run_judge
 from dynamicrubric.rollout import sample_rollouts
 from dynamicrubric.rubrics import run_rubrics
+from dynamicrubric.tasks import CODE_TASKS
 
 log = logging.getLogger(__name__)
 
 LIST_COLUMNS = ("list_id", "sample_idx", "rank", "score")
 EVALUATOR_VARIANTS = ("dynamic", "static", "pointwise")
-CODE_TASKS = ("humaneval",)  # tasks whose score is "all tests passed": pass@k applies
 MAX_LIST_SIZE = 26  # the dynamic generator labels responses A..Z
 OUTCOMES_PREFIX = "outcomes:"  # list ids of the policy's outcome lists; a user's file i gives "file<i>:"
 PLOT_NAMES = ("scores.png", "gap_tie.png", "accuracy.png", "policy.png")
@@ -402,33 +402,74 @@ class _Engines:
         self.engine, self.ref = None, None
 
 
-def _score_samples(rollouts: pd.DataFrame, prompts: pd.DataFrame, timeout_s: float) -> pd.DataFrame:
-    """Each rollout scored by its task's checker; code runs in the sandbox, a few runs at a time.
+def sample_held_out(
+    cfg: Config,
+    prompts: pd.DataFrame,
+    pool: _Engines,
+    *,
+    policy: str,
+    previous_policy: str | None,
+    seed: int,
+) -> pd.DataFrame:
+    """The policy's `evaluate.samples` responses per held-out prompt (sample_idx 0..k-1) and, for the
+    win rate, sample 0 of the same seed from the previous policy, stored at sample_idx k (with
+    identical weights both policies give identical responses): one rollouts frame, so one artifact
+    carries the stage's samples from the GPU task that makes them to the tasks that check and score."""
+    ev = cfg.evaluate
+    sample_cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"k": ev.samples})})
+    samples = sample_rollouts(pool.get(policy), prompts, sample_cfg, seed=seed, policy=policy)
+    if previous_policy is None or not ev.win_rate:
+        return samples
+    prev_cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"k": 1})})
+    previous = sample_rollouts(
+        pool.get(previous_policy), prompts, prev_cfg, seed=seed, policy=previous_policy
+    )
+    return pd.concat([samples, previous.assign(sample_idx=np.int32(ev.samples))], ignore_index=True)
 
-    Prompts without a verifiable outcome (no task checker, no reference) are skipped and counted.
-    """
+
+def split_samples(samples: pd.DataFrame, cfg: Config) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """`sample_held_out`'s frame as (the policy's samples, the previous policy's at sample_idx 1)."""
+    current = samples["sample_idx"] < cfg.evaluate.samples
+    return samples[current], samples[~current].assign(sample_idx=np.int32(1))
+
+
+def check_samples(samples: pd.DataFrame, prompts: pd.DataFrame, timeout_s: float) -> pd.DataFrame:
+    """The outcomes frame (prompt_id, sample_idx, task, score): each sample scored by its task's
+    checker; code runs in the sandbox, a few runs at a time. Score NaN: unscored (the sandbox failed;
+    logged and counted). Prompts without a verifiable outcome (no task checker, no reference) are left
+    out and counted."""
     by_id = {row["prompt_id"]: row for row in prompts.to_dict("records")}
-    verifiable = rollouts["prompt_id"].map(lambda pid: tasks.is_verifiable(by_id[pid]))
+    unknown = sorted(set(samples["prompt_id"]) - set(by_id))
+    if unknown:
+        raise ArtifactError(
+            f"samples name {len(unknown)} prompt_id(s) not in the prompts, e.g. {unknown[:3]}"
+        )
+    verifiable = samples["prompt_id"].map(lambda pid: tasks.is_verifiable(by_id[pid]))
     if not verifiable.all():
         log.warning(
             "evaluate: %d of %d held-out prompts have no verifiable outcome and are not scored",
-            rollouts.loc[~verifiable, "prompt_id"].nunique(),
-            rollouts["prompt_id"].nunique(),
+            samples.loc[~verifiable, "prompt_id"].nunique(),
+            samples["prompt_id"].nunique(),
         )
-    todo = rollouts[verifiable]
+    todo = samples[verifiable]
     jobs = [(by_id[pid], response) for pid, response in zip(todo["prompt_id"], todo["response"], strict=True)]
     workers = max(1, min(4, os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         scores = list(pool.map(lambda job: tasks.score_response(job[0], job[1], timeout_s=timeout_s), jobs))
-    scored = todo[["prompt_id", "sample_idx", "response"]].assign(
-        task=[job[0]["task"] for job in jobs], score=np.asarray(scores, dtype=np.float64)
+    outcomes = pd.DataFrame(
+        {
+            "prompt_id": todo["prompt_id"].to_numpy(),
+            "sample_idx": todo["sample_idx"].to_numpy(dtype=np.int32),
+            "task": [job[0]["task"] for job in jobs],
+            "score": np.asarray(scores, dtype=np.float64),
+        }
     )
-    unscored = scored["score"].isna()
+    unscored = outcomes["score"].isna()
     if unscored.any():  # the sandbox failed on them (logged by tasks): unknown, not wrong
         log.warning(
-            "evaluate: %d of %d samples left unscored (sandbox errors)", int(unscored.sum()), len(scored)
+            "evaluate: %d of %d samples left unscored (sandbox errors)", int(unscored.sum()), len(outcomes)
         )
-    return scored
+    return outcomes
 
 
 def _as_rollouts(anchors: pd.DataFrame) -> pd.DataFrame:
@@ -585,6 +626,8 @@ def run_evaluate(
     seed: int | None = None,
     engines: dict[str, Engine] | None = None,
     out_units_uri: str | None = None,
+    samples_uri: str | None = None,
+    outcomes_uri: str | None = None,
 ) -> dict[str, float]:
     """The evaluate stage; returns every metric as a flat dict "<variant>/<name>" -> value.
 
@@ -597,6 +640,8 @@ def run_evaluate(
     time (see `_Engines`): the policy samples, then the previous policy, then the generator writes
     every rubric (all variants and the win rate), then the verifier judges them all. `labelled_uris`
     are user files of anchors artifacts, Nectar answers or chosen/rejected pairs (JSONL or Parquet).
+    `samples_uri` (a rollouts artifact of `sample_held_out`) and `outcomes_uri` (of `check_samples`)
+    are the first two phases done by earlier tasks; without them they run here.
     """
     ev = cfg.evaluate
     variants = list(dict.fromkeys(ev.variants))  # each once, in the configured order
@@ -607,25 +652,28 @@ def run_evaluate(
     verifier = verifier or cfg.models.verifier
     seed = cfg.seed if seed is None else seed
     prompts = read_frame(eval_prompts_uri, "prompts")
-    with_previous = previous_policy is not None and ev.win_rate
     pool = _Engines(cfg, engines)
     roles = {"generator": generator, "verifier": verifier, "seed": seed}
     rows: list[tuple[str, str, float]] = []  # (variant, name, value)
     units: list[pd.DataFrame] = []  # (variant, measure, unit_id, value)
 
     # (1) The policy samples k responses per held-out prompt; each is scored by its task's checker.
-    sample_cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"k": ev.samples})})
-    rollouts = sample_rollouts(pool.get(policy), prompts, sample_cfg, seed=seed, policy=policy)
-    previous = None
-    if with_previous:
-        # Sample 0 of the same seed: with identical weights both policies give identical responses.
-        prev_cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"k": 1})})
-        previous = sample_rollouts(
-            pool.get(previous_policy), prompts, prev_cfg, seed=seed, policy=previous_policy
+    # On GPUs these are tasks of their own (evaluate-samples, check-samples: code runs in a CPU pod).
+    if samples_uri:
+        samples = read_frame(samples_uri, "rollouts")
+    else:
+        samples = sample_held_out(
+            cfg, prompts, pool, policy=policy, previous_policy=previous_policy, seed=seed
         )
-    checked = _score_samples(rollouts, prompts, ev.sandbox_timeout_s)
-    scored = checked[checked["score"].notna()]
-    rows.append(("policy", "unscored", float(len(checked) - len(scored))))
+    rollouts, previous = split_samples(samples, cfg)
+    if outcomes_uri:
+        outcomes = read_frame(outcomes_uri, "outcomes")
+    else:
+        outcomes = check_samples(rollouts, prompts, ev.sandbox_timeout_s)
+    scored = outcomes[outcomes["score"].notna()].merge(
+        rollouts[["prompt_id", "sample_idx", "response"]], on=["prompt_id", "sample_idx"], how="left"
+    )
+    rows.append(("policy", "unscored", float(len(outcomes) - len(scored))))
     rows += [("policy", name, value) for name, value in policy_metrics(scored, ev.samples).items()]
     per_prompt = scored.groupby("prompt_id", sort=True)["score"].mean()
     units.append(_units("policy", "avg_at_k", per_prompt.index, per_prompt.to_numpy()))
@@ -645,11 +693,11 @@ def run_evaluate(
     else:
         as_rollouts = _as_rollouts(lists)
         jobs += [_EvalJob(f"labelled-{v}", as_rollouts, v) for v in variants]
-    if previous is not None:
+    if len(previous):
         current = rollouts[rollouts["sample_idx"] == 0]
-        pair = pd.concat(
-            [current.assign(sample_idx=0), previous.assign(sample_idx=1)], ignore_index=True
-        ).sort_values(["prompt_id", "sample_idx"], kind="stable")
+        pair = pd.concat([current, previous], ignore_index=True).sort_values(
+            ["prompt_id", "sample_idx"], kind="stable"
+        )
         jobs.append(_EvalJob("win-rate", pair, "dynamic"))
     with tempfile.TemporaryDirectory(prefix="dynrubric-evaluate-") as tmp:
         scores = _evaluator_scores(jobs, cfg, Path(tmp), pool, **roles) if jobs else {}

@@ -242,7 +242,7 @@ class PolicyReward:
             anchors = _ranked_by(rollouts, outcome)
         else:
             from dynamicrubric.judge import run_judge
-            from dynamicrubric.tasks import anchors_from_outcomes
+            from dynamicrubric.tasks import CODE_TASKS, anchors_from_outcomes
 
             if self.variant in ("dynamic", "static"):
                 from dynamicrubric.rubrics import run_rubrics
@@ -282,6 +282,11 @@ class PolicyReward:
             timing["time/judge_s"] = time.perf_counter() - t
             metrics["judge/yes_rate"] = counts["yes_rate"]
             verifiable = prompts[prompts["meta"].notna() | prompts["reference"].notna()]
+            if cfg.pipeline.stage_resources("train_policy").gpus:
+                # No policy code runs in a GPU pod: code prompts get no outcome ranking (Δgap) here.
+                code = verifiable["task"].isin(CODE_TASKS)
+                metrics["rewards/unchecked_code_groups"] = float(code.sum())
+                verifiable = verifiable[~code]
             anchors = (
                 anchors_from_outcomes(
                     rollouts[rollouts["prompt_id"].isin(verifiable["prompt_id"])],

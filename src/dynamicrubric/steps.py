@@ -455,6 +455,71 @@ def metrics_by_role(result: dict[str, float]) -> dict[str, dict[str, float]]:
     return by_role
 
 
+def evaluate_samples(
+    config_yaml: str,
+    run_name: str,
+    round_idx: int,
+    eval_prompts: str,
+    policy: str,
+    previous_policy: str,
+    out_samples: str,
+) -> dict:
+    """Evaluate's first phase as a task of its own (on GPUs): the policy's held-out samples and the
+    previous policy's one for the win rate (`evaluate.sample_held_out`), as one rollouts artifact."""
+    from dynamicrubric.evaluate import _Engines, sample_held_out
+
+    started = time.perf_counter()
+    cfg = _setup(config_yaml)
+    preflight(out_samples, inputs=[eval_prompts])
+    pool = _Engines(cfg, None)
+    samples = sample_held_out(
+        cfg,
+        read_frame(eval_prompts, "prompts"),
+        pool,
+        policy=policy,
+        previous_policy=previous_policy or None,
+        seed=cfg.seed,
+    )
+    pool.release()
+    write_artifact(out_samples, "rollouts", samples)
+    with tracking.stage_run(cfg, run_name, round_idx, "evaluate-samples", started=started) as run:
+        if run:
+            run.log_params(
+                {
+                    "policy": model_reference(policy),
+                    "previous": model_reference(previous_policy) if previous_policy else "",
+                }
+            )
+            run.log_artifact_dataset(eval_prompts, "prompts", "input")
+            run.log_artifact_dataset(out_samples, "rollouts", "output")
+            run.summary.update({"samples": len(samples)})
+    return {"samples": len(samples)}
+
+
+def check_samples(
+    config_yaml: str, run_name: str, round_idx: int, eval_prompts: str, samples: str, out_outcomes: str
+) -> dict:
+    """Evaluate's checker phase as a CPU task of its own: the policy's held-out samples scored by their
+    tasks' checkers (HumanEval in the sandbox), so no GPU pod runs the policy's code."""
+    from dynamicrubric.evaluate import check_samples as check
+    from dynamicrubric.evaluate import split_samples
+
+    started = time.perf_counter()
+    cfg = _setup(config_yaml)
+    preflight(out_outcomes, inputs=[eval_prompts, samples])
+    policy_samples, _previous = split_samples(read_frame(samples, "rollouts"), cfg)
+    outcomes = check(policy_samples, read_frame(eval_prompts, "prompts"), cfg.evaluate.sandbox_timeout_s)
+    write_artifact(out_outcomes, "outcomes", outcomes)
+    counts = {"checked": len(outcomes), "unscored": int(outcomes["score"].isna().sum())}
+    with tracking.stage_run(cfg, run_name, round_idx, "check-samples", started=started) as run:
+        if run:
+            run.log_artifact_dataset(eval_prompts, "prompts", "input")
+            run.log_artifact_dataset(samples, "rollouts", "input")
+            run.log_artifact_dataset(out_outcomes, "outcomes", "output")
+            run.summary.update(counts)
+    return counts
+
+
 def evaluate(
     config_yaml: str,
     run_name: str,
@@ -467,12 +532,26 @@ def evaluate(
     out_metrics: str,
     out_plots: str,
     out_units: str = "",
+    samples: str = "",
+    outcomes: str = "",
 ) -> dict:
+    """The evaluate stage; `samples` and `outcomes` (both or neither) are its first two phases done by
+    the evaluate-samples and check-samples tasks, which the pipeline runs where evaluate has GPUs."""
     from dynamicrubric.evaluate import run_evaluate
 
     started = time.perf_counter()
     cfg = _setup(config_yaml)
-    preflight(out_metrics, out_units, folders=(out_plots,), inputs=[eval_prompts])
+    if bool(samples) != bool(outcomes):
+        raise ValueError(
+            "evaluate: give both the samples and their outcomes (--samples, --outcomes) or neither"
+        )
+    preflight(out_metrics, out_units, folders=(out_plots,), inputs=[eval_prompts, samples, outcomes])
+    if samples and not policy:  # the split pipeline hands no model to this task: the samples say whose
+        from dynamicrubric.evaluate import split_samples
+
+        current, previous = split_samples(read_frame(samples, "rollouts"), cfg)
+        policy = str(current["policy"].iloc[0])
+        previous_policy = str(previous["policy"].iloc[0]) if len(previous) else ""
     # Metrics, plots and units are published together once all exist: a failure leaves none (no empty
     # plots/). An empty out_units writes no units.
     with store.outputs_as_a_set(out_metrics, out_plots, out_units) as (metrics_out, plots_out, units_out):
@@ -488,9 +567,14 @@ def evaluate(
             labelled_uris=tuple(cfg.data.labelled),
             round_idx=round_idx,
             out_units_uri=units_out or None,
+            samples_uri=samples or None,
+            outcomes_uri=outcomes or None,
         )
     with tracking.stage_run(cfg, run_name, round_idx, "evaluate", started=started) as run:
         if run:
+            for uri, kind in ((samples, "rollouts"), (outcomes, "outcomes")):
+                if uri:
+                    run.log_artifact_dataset(uri, kind, "input")
             params = {
                 "policy": model_reference(policy),
                 "generator": model_reference(generator),

@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+CODE_TASKS = ("humaneval",)  # tasks scored by running the policy's code: "all tests passed", pass@k
+
 PROMPT_COLUMNS = ["prompt_id", "task", "prompt", "reference", "meta"]
 ANCHOR_COLUMNS = ["list_id", "sample_idx", "rank", "prompt", "response", "source"]
 
