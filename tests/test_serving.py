@@ -131,7 +131,13 @@ def score(rows, r, w):
     calls.append(len(rows))
     return [10 * row["row"] for row in rows], {"rank_scored": float(len(rows))}
 values, metrics = _score_by_groups(local, 2, score, served=True)
-print(json.dumps({"rank": rank, "values": values, "calls": calls}), flush=True)
+# a file per rank: two processes printing to one pipe can interleave their lines
+with open(f"{sys.argv[1]}/rank-{rank}.json", "w") as f:
+    json.dump({"rank": rank, "values": values, "calls": calls}, f)
+# both ranks leave the group together: a rank that exits while gloo's threads still run aborts
+# ("terminate called without an active exception", exit code -6)
+state.wait_for_everyone()
+state.destroy_process_group()
 """
 
 
@@ -146,14 +152,11 @@ def test_with_served_models_the_main_process_scores_the_whole_step(tmp_path: Pat
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu"]
     cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     # A port of its own: accelerate's default 29500 is shared with every other gloo run of the suite.
-    cmd += ["--main_process_port", str(free_port()), str(script)]
+    cmd += ["--main_process_port", str(free_port()), str(script), str(tmp_path)]
     done = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    out = sorted(
-        (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")),
-        key=lambda r: r["rank"],
-    )
+    out = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["calls"] for r in out] == [[8], [0]]  # rank 0 scored all 8 rows (4 groups), rank 1 none
     assert out[0]["values"] == [0, 10, 20, 30] and out[1]["values"] == [40, 50, 60, 70]

@@ -921,11 +921,15 @@ def main(argv: list[str] | None = None) -> int:
             error = {"user": user, "type": type(e).__name__, "message": str(e)}
             Path(a.result).with_suffix(".error").write_text(json.dumps(error))
         raise
-    if a.result:
-        from accelerate import PartialState
+    from accelerate import PartialState
 
-        if PartialState().is_main_process:
-            Path(a.result).write_text(json.dumps(final))
+    state = PartialState()
+    if a.result and state.is_main_process:
+        Path(a.result).write_text(json.dumps(final))
+    # The ranks leave the process group together: one that exits while gloo's threads still run can
+    # abort ("terminate called without an active exception", exit code -6) and fail a finished task.
+    state.wait_for_everyone()
+    state.destroy_process_group()
     return 0
 
 
