@@ -318,7 +318,7 @@ def evaluate(
         policy.path if policy is not None else "",
         generator,
         verifier_ref,
-        previous if policy is not None else "",
+        previous,
         metrics.path,
         plots.path,
         units.path,

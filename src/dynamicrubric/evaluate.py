@@ -438,12 +438,7 @@ def check_samples(samples: pd.DataFrame, prompts: pd.DataFrame, timeout_s: float
     checker; code runs in the sandbox, a few runs at a time. Score NaN: unscored (the sandbox failed;
     logged and counted). Prompts without a verifiable outcome (no task checker, no reference) are left
     out and counted."""
-    by_id = {row["prompt_id"]: row for row in prompts.to_dict("records")}
-    unknown = sorted(set(samples["prompt_id"]) - set(by_id))
-    if unknown:
-        raise ArtifactError(
-            f"samples name {len(unknown)} prompt_id(s) not in the prompts, e.g. {unknown[:3]}"
-        )
+    by_id = tasks.prompt_rows(samples, prompts, "samples")
     verifiable = samples["prompt_id"].map(lambda pid: tasks.is_verifiable(by_id[pid]))
     if not verifiable.all():
         log.warning(

@@ -622,6 +622,15 @@ def load_pairs(uri: str) -> pd.DataFrame:
     return _anchor_frame(rows)
 
 
+def prompt_rows(responses: pd.DataFrame, prompts_df: pd.DataFrame, what: str) -> dict[str, dict]:
+    """prompt_id -> prompt row, for responses that must all answer one of `prompts_df`'s prompts."""
+    rows = {row["prompt_id"]: row for row in prompts_df.to_dict("records")}
+    unknown = sorted(set(responses["prompt_id"]) - set(rows))
+    if unknown:
+        raise TaskError(f"{what} name {len(unknown)} prompt_id(s) not in the prompts, e.g. {unknown[:3]}")
+    return rows
+
+
 def anchors_from_outcomes(
     rollouts_df: pd.DataFrame,
     prompts_df: pd.DataFrame,
@@ -643,10 +652,7 @@ def anchors_from_outcomes(
         missing = [c for c in cols if c not in df.columns]
         if missing:
             raise TaskError(f"{name} frame lacks column(s) {missing}; has {list(df.columns)}")
-    prompts = {row["prompt_id"]: row for row in prompts_df.to_dict("records")}
-    unknown = sorted(set(rollouts_df["prompt_id"]) - set(prompts))
-    if unknown:
-        raise TaskError(f"rollouts name {len(unknown)} prompt_id(s) not in the prompts, e.g. {unknown[:3]}")
+    prompts = prompt_rows(rollouts_df, prompts_df, "rollouts")
     verifiable = {pid for pid, row in prompts.items() if is_verifiable(row)}
     skipped = set(rollouts_df["prompt_id"]) - verifiable
     if skipped:

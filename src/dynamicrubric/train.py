@@ -926,9 +926,9 @@ def main(argv: list[str] | None = None) -> int:
     state = PartialState()
     if a.result and state.is_main_process:
         Path(a.result).write_text(json.dumps(final))
-    # The ranks leave the process group together: one that exits while gloo's threads still run can
-    # abort ("terminate called without an active exception", exit code -6) and fail a finished task.
-    state.wait_for_everyone()
+    # Every rank is past its last collective (_grpo ends on a barrier); a rank that exits with the
+    # process group still alive can abort in gloo's threads ("terminate called without an active
+    # exception", exit code -6) and fail a finished task.
     state.destroy_process_group()
     return 0
 
