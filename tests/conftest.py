@@ -86,3 +86,10 @@ def tiny_run(tmp_path_factory):
         "run_folder": indexes[0].parent,
         "tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}",
     }
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Print a failure as it happens, not only in the summary: a CI run cut off by its time limit never
+    reaches the summary, and its log would say only that something failed."""
+    if report.failed:
+        sys.stderr.write(f"\nFAILED {report.nodeid} ({report.when}):\n{report.longreprtext[-4000:]}\n")
