@@ -43,6 +43,9 @@ def s3_env(seaweed, monkeypatch):
     """AWS_* variables pointing at the test SeaweedFS, and a fresh bucket for this test."""
     for key, value in seaweed.env().items():
         monkeypatch.setenv(key, value)
+    # A loopback server answers in milliseconds: a test whose store fails should fail in seconds, not
+    # spend the default 2-minute retry budget on every operation (tests of the budget set their own).
+    monkeypatch.setenv(store.RETRY_BUDGET_ENV, "20")
     store.reset_client()
     bucket = f"t-{uuid.uuid4().hex[:12]}"
     seaweed.client().create_bucket(Bucket=bucket)

@@ -38,6 +38,7 @@ class SeaweedS3:
     proc: subprocess.Popen | None = None
     port: int = 0
     ports: dict[str, int] = field(default_factory=dict)
+    max_volumes: int = 2000
 
     @property
     def endpoint(self) -> str:
@@ -101,6 +102,11 @@ class SeaweedS3:
             f"-s3.config={creds}",
             "-s3.allowDeleteBucketNotEmpty=false",
             "-s3.autoCreateBucket=false",
+            # SeaweedFS gives every bucket a volume of its own, and by default allows as many volumes
+            # as free disk / volume size (1 GiB): on a CI machine with ~25 GB free the session's server
+            # ran out after ~25 test buckets, and every later bucket's writes failed (InternalError,
+            # retried for the store's whole budget). Volumes are sparse files created on demand.
+            f"-volume.max={self.max_volumes}",
         ]
         log = open(self.workdir / "weed.log", "ab")  # noqa: SIM115 - owned by the process
         self.proc = subprocess.Popen(

@@ -137,6 +137,26 @@ def test_multipart_upload_of_large_file(s3_env, tmp_path, monkeypatch):
     assert store.read_bytes(uri) == data
 
 
+def test_the_session_server_has_a_volume_for_every_test_bucket(request, tmp_path):
+    """SeaweedFS gives each bucket a volume and caps volumes (by default at free disk / 1 GiB): a server
+    capped at 2 takes the third bucket's bucket but not its writes. The session's server, which every
+    `s3_env` test gives a fresh bucket, must allow more volumes than the suite makes buckets: the CI
+    run at 4353471 ran out after ~25 and failed every later S3 test."""
+    server = SeaweedS3(tmp_path / "weed", max_volumes=2).start()
+    try:
+        client = server.client()
+        for name in ["one", "two", "three"]:
+            client.create_bucket(Bucket=f"bucket-{name}")
+        client.put_object(Bucket="bucket-one", Key="k", Body=b"x")
+        client.put_object(Bucket="bucket-two", Key="k", Body=b"x")
+        with pytest.raises(Exception, match="InternalError"):
+            client.put_object(Bucket="bucket-three", Key="k", Body=b"x")
+    finally:
+        server.stop()
+    buckets = sum("s3_env" in getattr(item, "fixturenames", ()) for item in request.session.items)
+    assert SeaweedS3(tmp_path).max_volumes > 2 * buckets, f"{buckets} tests make a bucket each"
+
+
 def test_server_killed_mid_write_leaves_no_partial_object(tmp_path, monkeypatch):
     """A multipart upload cut off by a dying server never becomes a visible object."""
     server = SeaweedS3(tmp_path / "weed").start()
