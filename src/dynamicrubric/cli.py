@@ -593,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logs.setup(args.verbose)
+    logs.skip_the_exit_collection()
     try:
         return args.func(args)
     except KeyboardInterrupt:

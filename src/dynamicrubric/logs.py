@@ -7,6 +7,8 @@ task's whole output in a log file and shows that marked line alone (see launch.p
 
 from __future__ import annotations
 
+import atexit
+import gc
 import json
 import logging
 import math
@@ -29,6 +31,25 @@ def setup(verbose: bool = False) -> None:
         for handler in root.handlers:
             handler.setFormatter(logging.Formatter(FORMAT, DATEFMT))
     root.setLevel(level)
+
+
+def skip_the_exit_collection() -> None:
+    """Exit without Python's last full garbage collection: with torch, transformers and mlflow loaded it
+    walks millions of objects for 1-2 s (measured: `import torch, mlflow` exits in 1.06 s, 0.19 s with
+    this), a cost every task process pays once more after its work is written. Registered once per
+    process; see `_freeze_at_exit`."""
+    if not getattr(skip_the_exit_collection, "registered", False):
+        atexit.register(_freeze_at_exit)
+        skip_the_exit_collection.registered = True
+
+
+def _freeze_at_exit() -> None:
+    """`gc.freeze()` moves every live object out of the collector's reach; objects still referenced are
+    freed as the interpreter tears down, as before, and only garbage in reference cycles is left to the
+    OS. Not where triton is loaded (TRL imports it): its nanobind bindings print a page of "leaked
+    instance" warnings when their objects outlive the module."""
+    if "triton" not in sys.modules:
+        gc.freeze()
 
 
 RUN_KEY = "mlflow_run_id"  # in the summary line: the stage run `dynrubric run` ends at the task's exit

@@ -22,6 +22,7 @@ from dynamicrubric.models import model_reference
 
 def _setup(config_yaml: str) -> Config:
     logs.setup()
+    logs.skip_the_exit_collection()
     return config_from_yaml(config_yaml)
 
 
