@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import threading
@@ -21,6 +20,7 @@ from pathlib import Path
 from dynamicrubric import logs, tracking
 from dynamicrubric.config import Config
 from dynamicrubric.stats import wilson_interval
+from dynamicrubric.task_processes import TaskStarter
 
 log = logging.getLogger(__name__)
 
@@ -300,8 +300,10 @@ class TaskMonitor:
         shards: int | None = None,
         cores: int | None = None,
         tracking_uri: str = "",
+        preload: bool = True,
     ):
         self.verbose = verbose
+        self.starter = TaskStarter(preload)  # tasks forked from a server that has the imports done
         self.tracking_uri = tracking_uri  # where the tasks' stage runs are, to end them at the exit
         # Side-by-side tasks of a shard loop, to set each task's OMP_NUM_THREADS (see task_threads);
         # None: every task inherits this process's setting.
@@ -396,12 +398,10 @@ class TaskMonitor:
         numbers: dict = {}
         tty = self.err.isatty()
         last_bar = 0.0
-        with (
-            open(log_path, "wb") as log_file,
-            subprocess.Popen(full_command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env) as proc,
-        ):
+        task = self.starter.start(full_command, env, own_env=env_vars or {})
+        with open(log_path, "wb") as log_file:
             pending = b""
-            while chunk := proc.stdout.read1(65536):
+            while chunk := task.output.read1(65536):
                 log_file.write(chunk)
                 pending += chunk
                 *segments, pending = re.split(rb"(?<=[\r\n])", pending)
@@ -421,11 +421,9 @@ class TaskMonitor:
                             self._write(self.err, f"{label}: {text.strip()}\n")
                             last_bar = now
             log_file.write(pending)
-            # wait4, not wait: its resource usage covers the task process and every process it waited
-            # for (a trainer's `accelerate launch` children), which says how many cores a task kept busy
-            # and how much memory its largest process held.
-            _, status, usage = os.wait4(proc.pid, 0)
-            proc.returncode = code = os.waitstatus_to_exitcode(status)
+            # with the processes it waited for (a trainer's `accelerate launch` children): how many
+            # cores the task kept busy and how much memory its largest process held
+            code, usage = task.wait()
         seconds = time.monotonic() - started
         run_id = numbers.pop(logs.RUN_KEY, None)
         if code == 0 and run_id and self.tracking_uri:
@@ -434,11 +432,10 @@ class TaskMonitor:
             except Exception as e:  # the task's result stands; only its run's end time is off
                 log.warning("MLflow: could not move the end of run %s to its task's exit: %s", run_id, e)
         entry["seconds"] = round(seconds, 1)
-        entry["cpu_user_s"] = round(usage.ru_utime, 1)
-        entry["cpu_sys_s"] = round(usage.ru_stime, 1)
-        # ru_maxrss is in KiB on Linux; kept in MB (10^6 B)
-        entry["max_rss_mb"] = round(usage.ru_maxrss * 1024 / 1e6)
-        cores_busy = (usage.ru_utime + usage.ru_stime) / max(seconds, 1e-9)
+        entry["cpu_user_s"] = round(usage.user_s, 1)
+        entry["cpu_sys_s"] = round(usage.sys_s, 1)
+        entry["max_rss_mb"] = round(usage.max_rss_kib * 1024 / 1e6)  # MB (10^6 B)
+        cores_busy = (usage.user_s + usage.sys_s) / max(seconds, 1e-9)
         entry["numbers"] = numbers
         clear = "\r\x1b[2K" if tty else ""
         stamp = time.strftime("%H:%M:%S")
