@@ -17,11 +17,16 @@ from dynamicrubric.task_processes import TaskStarter, executor_call
 
 # No `from __future__ import annotations` here: KFP reads the component's annotations as types.
 @dsl.component(base_image="python:3.11", install_kfp_package=False)
-def report(fail: bool, shard: int = 0) -> str:
+def report(fail: bool, shard: int = 0, burn_s: float = 0.0) -> str:
     import os
     import sys
+    import time
 
     import torch
+
+    start = time.process_time()
+    while time.process_time() - start < burn_s:
+        pass
 
     print("threads", os.environ["OMP_NUM_THREADS"], torch.get_num_threads())
     # kfp.local's `sh -ec` script starts the interpreter; the fork server is an interpreter itself
@@ -33,10 +38,12 @@ def report(fail: bool, shard: int = 0) -> str:
     return "ok"
 
 
-def _kfp_command(tmp_path, fail: bool = False, shard: int | None = None) -> tuple[list[str], dict]:
+def _kfp_command(
+    tmp_path, fail: bool = False, shard: int | None = None, burn_s: float = 0.0
+) -> tuple[list[str], dict]:
     """What kfp.local runs for `report`: its container command and arguments, placeholders filled."""
     container = report.component_spec.implementation.container
-    params: dict = {"fail": fail}
+    params: dict = {"fail": fail, "burn_s": burn_s}
     if shard is not None:
         params["shard"] = shard
     executor_input = {
@@ -53,7 +60,7 @@ def _kfp_command(tmp_path, fail: bool = False, shard: int | None = None) -> tupl
 def test_a_lightweight_components_command_is_read_and_others_are_not(tmp_path):
     command, _ = _kfp_command(tmp_path)
     code, args = executor_call(command)
-    assert "def report(fail: bool, shard: int = 0) -> str:" in code
+    assert "def report(fail: bool, shard: int = 0, burn_s: float = 0.0) -> str:" in code
     assert args[args.index("--function_to_execute") + 1] == "report"
     assert executor_call([sys.executable, "-c", "print(1)"]) is None
     changed = [*command[:2], command[2].replace("printf", "echo"), *command[3:]]
@@ -107,3 +114,20 @@ def test_a_forked_tasks_usage_is_its_own(tmp_path):
     assert code == 0 and b"threads 1 1" in output
     assert 0 < usage.user_s + usage.sys_s < 5  # the imports (5 s and more) were the server's
     assert usage.max_rss_kib > 100_000  # torch is mapped in the task: its pages count as its memory
+
+
+def test_a_stopped_server_hands_its_tasks_usage_to_this_process(tmp_path):
+    """GNU time and wait4 count a process's waited-for descendants: once the server is stopped and
+    waited for, the CPU time of the tasks it forked counts as this process's children's, as the
+    subprocesses' did (bench_demo reads a whole run's CPU time and peak memory that way)."""
+    import resource
+
+    starter = TaskStarter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    command, _ = _kfp_command(tmp_path, shard=0, burn_s=1.0)
+    task = starter.start(command, {**os.environ, "OMP_NUM_THREADS": "1"}, own_env={})
+    task.output.read()
+    assert task.wait()[0] == 0
+    starter.stop()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert after.ru_utime - before.ru_utime >= 0.95

@@ -83,6 +83,8 @@ def run_local(cfg: Config, *, verbose: bool = False, fresh: bool = False) -> Loc
             where = f" (log: {failed[0]['log']})" if failed else ""
             message = re.sub(r"\x1b\[[0-9;]*m", "", _one_line(e))  # kfp colours task names
             raise LaunchError(f"the pipeline stopped: {message}{where}") from e
+        finally:
+            monitor.starter.stop()
     result = LocalRun(run_name, tracking.find_pipeline_run(cfg, run_name) or "", monitor.tasks)
     result.run_dirs, result.index_files = write_index(root, monitor.tasks)
     return result

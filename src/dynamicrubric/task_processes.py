@@ -113,6 +113,15 @@ class TaskStarter:
             self._context = multiprocessing.get_context("forkserver")
             self._context.set_forkserver_preload(PRELOAD)
 
+    def stop(self) -> None:
+        """Stop the fork server and wait for it, so that what it and the tasks it forked used counts as
+        this process's children's usage (what `wait4` and GNU time report for a whole run), as the
+        subprocesses' did. The next task starts a new server."""
+        if self._context is not None:
+            from multiprocessing import forkserver
+
+            forkserver._forkserver._stop()  # the stdlib's own stop (its tests use it), not public API
+
     def start(self, command: Sequence[str], env: dict[str, str], own_env: dict[str, str]) -> TaskProcess:
         """`env` is the whole environment of the task; `own_env`, the part kfp.local set for it."""
         parsed = executor_call(command)
