@@ -37,6 +37,20 @@ def test_launch_command_has_cpu_only_without_cuda(monkeypatch: pytest.MonkeyPatc
     assert "--cpu" not in several and str(train.accelerate_config(8)) in several
 
 
+def test_cpu_training_processes_return_their_large_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU the trainers get a fixed mmap threshold (the default run's peak memory, see
+    CPU_MMAP_THRESHOLD); a user's own setting and the config's thread count are kept; not on a GPU."""
+    from dynamicrubric.config import load_config
+
+    tcfg = load_config(preset="tiny").train_policy  # torch_threads: 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    env = train.training_env(tcfg, {"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(4 << 20)}
+    assert train.training_env(tcfg, {"MALLOC_MMAP_THRESHOLD_": "65536"})["MALLOC_MMAP_THRESHOLD_"] == "65536"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "MALLOC_MMAP_THRESHOLD_" not in train.training_env(tcfg, {})
+
+
 def test_a_model_on_the_wrong_device_is_refused() -> None:
     model = torch.nn.Linear(2, 2)
     train.check_device("train-policy", model, torch.device("cpu"))  # where it is: accepted
