@@ -29,6 +29,7 @@ from dynamicrubric.artifacts import read_frame, write_artifact
 from dynamicrubric.config import Config, load_config
 from dynamicrubric.engines import load_engine
 from dynamicrubric.evaluate import check_samples
+from dynamicrubric.models import resolve_model
 from dynamicrubric.rollout import sample_rollouts
 
 HERE = Path(__file__).parent
@@ -37,7 +38,7 @@ EVAL_SEED = 12345  # the same sampling seed before and after training: a paired 
 
 def per_prompt_accuracy(cfg: Config, model: str, prompts: pd.DataFrame) -> pd.Series:
     """avg@k per held-out prompt: the checker's mean score over evaluate.samples samples."""
-    engine = load_engine(str(train.resolve_model_ref(model)), cfg.engine)
+    engine = load_engine(str(resolve_model(model)), cfg.engine)
     sampling = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"k": cfg.evaluate.samples})})
     rollouts = sample_rollouts(engine, prompts, sampling, seed=EVAL_SEED, policy=model)
     scored = check_samples(rollouts, prompts, cfg.evaluate.sandbox_timeout_s)

@@ -38,9 +38,17 @@ from kfp import dsl, kubernetes
 
 from dynamicrubric import store
 from dynamicrubric.components import stages
-from dynamicrubric.config import INFERENCE_STAGES, TENSOR_PARALLEL_ENV, Config, ConfigError, ModelsConfig
+from dynamicrubric.config import (
+    INFERENCE_STAGES,
+    TENSOR_PARALLEL_ENV,
+    Config,
+    ConfigError,
+    ModelsConfig,
+    SeedPurpose,
+    policy_variant,
+    round_seed,
+)
 from dynamicrubric.models import staging_plan
-from dynamicrubric.steps import round_seed
 
 S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
 # Stages that load model weights: they get the model-cache scratch volume.
@@ -80,8 +88,6 @@ def split_evaluate(cfg: Config) -> bool:
 
 def pipeline_variant(cfg: Config) -> str:
     """dynamic | static (rubrics.variant), pointwise or verifiable (judge.variant)."""
-    from dynamicrubric.rewards import policy_variant
-
     return policy_variant(cfg)
 
 
@@ -232,7 +238,7 @@ def build_pipeline(cfg: Config):
                             label="generator",
                             shard=shard,
                             num_shards=shards,
-                            seed=round_seed(cfg, t, 0),
+                            seed=round_seed(cfg, t, SeedPurpose.GENERATOR_ROLLOUT),
                             policy_ref=m.policy,
                             prompts=data.outputs["train_prompts"],
                             **policy_ckpt,
@@ -282,7 +288,7 @@ def build_pipeline(cfg: Config):
                             label="audit",
                             shard=shard,
                             num_shards=shards,
-                            seed=round_seed(cfg, t, 4),
+                            seed=round_seed(cfg, t, SeedPurpose.AUDIT_ROLLOUT),
                             policy_ref=m.policy,
                             prompts=data.outputs["eval_prompts"],
                             **policy_ckpt,
@@ -300,9 +306,8 @@ def build_pipeline(cfg: Config):
                                     label=label,
                                     shard=shard,
                                     samples=cfg.rubrics.samples,
-                                    seed=round_seed(
-                                        cfg, t, 5
-                                    ),  # the same for both: only the generator differs
+                                    # the same for both: only the generator differs
+                                    seed=round_seed(cfg, t, SeedPurpose.AUDIT_RUBRICS),
                                     generator_ref=m.generator,
                                     candidate_sets=probe.outputs["rollouts"],
                                     **generator,

@@ -23,6 +23,7 @@ from dynamicrubric import store, tasks, train
 from dynamicrubric.artifacts import empty_table, read_frame, write_artifact
 from dynamicrubric.config import load_config
 from dynamicrubric.engines import load_engine
+from dynamicrubric.models import resolve_model
 from dynamicrubric.rollout import policy_prompt
 
 FAST = {"steps": 1, "prompts_per_step": 2, "micro_batch_size": 4, "learning_rate": 5e-3, "torch_threads": 1}
@@ -73,7 +74,7 @@ def kill_after_checkpoint(args: list[str], step: int, env: dict[str, str] | None
 
 
 def _sequence_logprobs(model: str, prompts: list[str], responses: list[str]) -> np.ndarray:
-    engine = load_engine(str(train.resolve_model_ref(model)), load_config(preset="tiny").engine)
+    engine = load_engine(str(resolve_model(model)), load_config(preset="tiny").engine)
     texts = [policy_prompt(engine, p) for p in prompts]
     return np.array([sum(lp) for lp in engine.logprobs(texts, responses)])
 
@@ -231,7 +232,7 @@ def test_same_seed_gives_identical_step_artifacts_and_weights(tmp_path):
             assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes(), rel
     a, b = _weights(tmp_path / "a" / "policy"), _weights(tmp_path / "b" / "policy")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert not all(torch.equal(a[k], _weights(train.resolve_model_ref("tiny-random"))[k]) for k in a)
+    assert not all(torch.equal(a[k], _weights(resolve_model("tiny-random"))[k]) for k in a)
 
 
 def test_sigkill_mid_run_then_rerun_equals_uninterrupted(tmp_path):

@@ -68,7 +68,8 @@ def test_a_model_on_the_wrong_device_is_refused() -> None:
 _RESOLVE_SCRIPT = """
 import sys, time
 from pathlib import Path
-from dynamicrubric import store, train
+from dynamicrubric import store
+from dynamicrubric.models import resolve_model
 
 real = store.download_dir
 def counted(uri, local):
@@ -79,7 +80,7 @@ ready, go = Path(sys.argv[2]), Path(sys.argv[3])
 ready.touch()
 while not go.exists():
     time.sleep(0.01)
-print("folder", train.resolve_model_ref(sys.argv[1]), flush=True)
+print("folder", resolve_model(sys.argv[1]), flush=True)
 """
 
 

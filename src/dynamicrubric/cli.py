@@ -11,12 +11,13 @@ from dynamicrubric import logs
 from dynamicrubric.artifacts import KIND_KEY, ArtifactError
 from dynamicrubric.config import ConfigError
 from dynamicrubric.launch import LaunchError
+from dynamicrubric.rerun import RerunError
 from dynamicrubric.store import StoreError
 
 MAX_ERROR_CHARS = 300  # an error echoes user data (an id, a path): a 4 MB id must not flood the terminal
 
 # Errors that describe bad input or an unusable store/config: their message is the whole story.
-USER_ERRORS = (ArtifactError, ConfigError, StoreError, LaunchError, ValueError, OSError)
+USER_ERRORS = (ArtifactError, ConfigError, StoreError, LaunchError, RerunError, ValueError, OSError)
 
 
 def one_line(message: object, limit: int = MAX_ERROR_CHARS) -> str:

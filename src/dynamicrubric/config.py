@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import reprlib
+from enum import IntEnum
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -371,6 +372,34 @@ class Config(Section):
 
         walk("", self.model_dump(mode="json"))
         return out
+
+
+class SeedPurpose(IntEnum):
+    """What a round's seed is drawn for: each purpose its own reproducible stream, so adding one use
+    of randomness never shifts another's."""
+
+    GENERATOR_ROLLOUT = 0  # P_{t-1}'s candidate sets for G_t's training
+    EVALUATOR_RUBRICS = 2  # G_t's rubrics sampled during its own training
+    AUDIT_ROLLOUT = 4  # the held-out probe of the signal audit
+    AUDIT_RUBRICS = 5  # both generators' rubrics in the audit (only the generator differs)
+    REWARD_STEP = 7  # a trainer's reward call, offset per step (step_seed)
+
+
+def round_seed(cfg: Config, round_idx: int, purpose: SeedPurpose) -> int:
+    """A distinct, reproducible seed per (config seed, round, purpose)."""
+    return cfg.seed * 1_000_003 + round_idx * 101 + int(purpose)
+
+
+def step_seed(cfg: Config, round_idx: int, step: int) -> int:
+    """A seed of its own for every trainer step, so scoring never depends on what ran before."""
+    return round_seed(cfg, round_idx, SeedPurpose.REWARD_STEP) + step * 7_919
+
+
+def policy_variant(cfg: Config) -> str:
+    """How the policy is rewarded: dynamic | static (rubrics), pointwise, or verifiable."""
+    if cfg.judge.variant in ("pointwise", "verifiable"):
+        return cfg.judge.variant
+    return cfg.rubrics.variant
 
 
 def _merge(base: dict, over: dict) -> dict:

@@ -69,11 +69,14 @@ def cache_dir() -> Path:
 
 
 def resolve_model(ref: str) -> Path:
-    """Return a local Hugging Face folder for `ref` (local folder, built-in name, or hub id)."""
+    """A local Hugging Face folder for `ref`: a local folder or its file:// URI, an s3:// folder (fetched
+    once into the cache, under its lock), a built-in name, or a hub id."""
     if not isinstance(ref, str) or not ref.strip():
         raise ModelError(f"model reference must be a non-empty string, got {ref!r}")
     if store.is_s3(ref):
         return _from_store(ref)
+    if ref.startswith("file://"):  # a checkpoint's store URI on a local pipeline root
+        ref = str(store.local_path(ref))
     if ref in BUILTIN_MODELS:
         return prepare_model(ref)
     path = Path(ref).expanduser()

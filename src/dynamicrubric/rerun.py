@@ -13,10 +13,9 @@ import tempfile
 from pathlib import Path
 
 from dynamicrubric import steps, tracking
-from dynamicrubric.launch import LaunchError
 
 
-class RerunError(LaunchError):
+class RerunError(RuntimeError):
     """A run or task that cannot be rerun as asked; one line, names the run."""
 
 

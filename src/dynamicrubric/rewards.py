@@ -36,7 +36,8 @@ import pyarrow as pa
 
 from dynamicrubric import store
 from dynamicrubric.artifacts import read_artifact, read_frame, write_artifact
-from dynamicrubric.config import Config
+from dynamicrubric.config import Config, policy_variant, step_seed
+from dynamicrubric.models import resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +209,7 @@ class PolicyReward:
         cfg, folder = self.cfg, step_dir(self.steps_uri, step, rank, world)
         uri = _step_uris(folder)
         group_ids = _group_ids(rows, self.k, "prompt_id")
-        seed = _step_seed(cfg, self.round_idx, step)
+        seed = step_seed(cfg, self.round_idx, step)
         rollouts = pd.DataFrame(
             {
                 "prompt_id": [group_ids[i // self.k] for i in range(len(rows))],
@@ -322,13 +323,6 @@ class PolicyReward:
         timing["time/reward_s"] = time.perf_counter() - started
         metrics.update(timing)
         return values, metrics
-
-
-def policy_variant(cfg: Config) -> str:
-    """How the policy is rewarded: dynamic | static (rubrics), pointwise, or verifiable."""
-    if cfg.judge.variant in ("pointwise", "verifiable"):
-        return cfg.judge.variant
-    return cfg.rubrics.variant
 
 
 # --------------------------------------------------------------------------------------------------
@@ -569,11 +563,6 @@ def _step_uris(folder: str) -> dict[str, str]:
     }
 
 
-def _step_seed(cfg: Config, round_idx: int, step: int) -> int:
-    """A seed of its own for every (round, step), so scoring never depends on what ran before."""
-    return cfg.seed * 1_000_003 + round_idx * 101 + 7 + step * 7_919
-
-
 def _served(cfg: Config, roles: tuple[str, ...]) -> bool:
     return any(getattr(cfg.models, f"{role}_url") for role in roles)
 
@@ -591,8 +580,6 @@ def _engine_cache(cfg: Config) -> Callable[[str, str], Any]:
         if role not in loaded:
             import torch
 
-            from dynamicrubric.train import resolve_model_ref
-
             url = getattr(cfg.models, f"{role}_url")
             if not url and cfg.engine.engine != "hf":
                 raise EngineError(
@@ -602,7 +589,7 @@ def _engine_cache(cfg: Config) -> Callable[[str, str], Any]:
             # Loading initialises weights from torch's global RNG; the trainer's sampling draws from it
             # too, and a resumed run loads the engines at another step than an uninterrupted one.
             with torch.random.fork_rng(devices=[]):
-                model = ref if url else str(resolve_model_ref(ref))
+                model = ref if url else str(resolve_model(ref))
                 loaded[role] = load_engine(model, cfg.engine, url=url, serving=cfg.serving)
         return loaded[role]
 

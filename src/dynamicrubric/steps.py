@@ -84,11 +84,6 @@ def write_kfp_metrics(summary, values: dict) -> None:
     Path(summary.path).write_text(json.dumps(finite, sort_keys=True))
 
 
-def round_seed(cfg: Config, round_idx: int, purpose: int) -> int:
-    """Distinct, reproducible seeds per round and use (0: generator samples, 1: policy samples, ...)."""
-    return cfg.seed * 1_000_003 + round_idx * 101 + purpose
-
-
 def start_tracking(config_yaml: str, run_name: str) -> str:
     """Create the MLflow parent run; later tasks find it by `run_name` (see tracking.py)."""
     cfg = _setup(config_yaml)

@@ -68,7 +68,15 @@ import torch
 
 from dynamicrubric import store
 from dynamicrubric.artifacts import read_artifact, read_frames, write_artifact
-from dynamicrubric.config import Config, TrainConfig, served_roles
+from dynamicrubric.config import (
+    Config,
+    SeedPurpose,
+    TrainConfig,
+    policy_variant,
+    round_seed,
+    served_roles,
+)
+from dynamicrubric.models import resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +127,7 @@ def train_policy(
     round_idx: int = 0,
 ) -> dict:
     """Online GRPO on the policy; writes a checkpoint folder to `out_uri`; returns the final metrics."""
-    from dynamicrubric.rewards import PolicyReward, policy_variant
+    from dynamicrubric.rewards import PolicyReward
 
     if store.is_complete(out_uri):
         return _already_done(out_uri, metrics_uri)
@@ -218,9 +226,10 @@ def evaluator_dataset(
     """One row per candidate set: the generator's prompt (the same text the rubrics stage builds),
     the set's responses, and their reference ranks where the set has an anchor list."""
     from dynamicrubric.rubrics import generator_messages, rubric_requests
-    from dynamicrubric.steps import round_seed
 
-    requests = rubric_requests(candidate_sets, cfg, "dynamic", round_seed(cfg, round_idx, 2))
+    requests = rubric_requests(
+        candidate_sets, cfg, "dynamic", round_seed(cfg, round_idx, SeedPurpose.EVALUATOR_RUBRICS)
+    )
     ranks = {
         (lid, int(idx)): int(rank)
         for lid, idx, rank in zip(anchors["list_id"], anchors["sample_idx"], anchors["rank"], strict=True)
@@ -266,7 +275,7 @@ def check_context(
     inference stages refuse it the same way (engines)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    path = resolve_model_ref(model_ref)
+    path = resolve_model(model_ref)
     limits = [int(getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", 0) or 0)]
     if cfg.engine.engine == "vllm" and cfg.engine.max_model_len:  # the trainer's vLLM gets this length
         limits.append(cfg.engine.max_model_len)
@@ -299,16 +308,6 @@ def _already_done(out_uri: str, metrics_uri: str | None) -> dict:
 
 # --------------------------------------------------------------------------------------------------
 # Models
-
-
-def resolve_model_ref(ref: str) -> Path:
-    """A local HF folder for `ref`: a store URI of a checkpoint, a local folder, or anything
-    `models.resolve_model` takes (which fetches an s3:// folder once into the cache, under its lock)."""
-    from dynamicrubric.models import resolve_model
-
-    if ref.startswith("file://"):
-        ref = str(store.local_path(ref))
-    return resolve_model(ref)
 
 
 def _lora_config(tcfg: TrainConfig):
@@ -585,7 +584,7 @@ def _grpo(
     bf16 = cuda if tcfg.bf16 is None else tcfg.bf16
     vllm = cfg.engine.engine == "vllm"
     temperature, top_p, max_new_tokens = sampling
-    path = resolve_model_ref(model_ref)
+    path = resolve_model(model_ref)
     scratch = _scratch(out_uri)
     scratch.mkdir(parents=True, exist_ok=True)
     work_uri = _work_uri(out_uri)
@@ -853,7 +852,7 @@ def launch(stage: str, cfg: Config, **kwargs: Any) -> dict:
             from dynamicrubric.serving import reward_gpu_split, reward_servers
 
             train_gpus, role_gpus = reward_gpu_split(key, cfg, visible_gpus())
-            folders = {r: str(resolve_model_ref(kwargs.get(r) or getattr(cfg.models, r))) for r in roles}
+            folders = {r: str(resolve_model(kwargs.get(r) or getattr(cfg.models, r))) for r in roles}
             urls = servers.enter_context(reward_servers(cfg, key, folders, role_gpus, Path(tmp) / "servers"))
             models = cfg.models.model_copy(update={f"{r}_url": url for r, url in urls.items()})
             cfg = cfg.model_copy(update={"models": models})

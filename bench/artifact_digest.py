@@ -1,0 +1,133 @@
+"""A pipeline run's artifacts, digested, to show that a change of code leaves them the same.
+
+    python -m bench.artifact_digest RUN_FOLDER --out A.json      digest one run folder
+    python -m bench.artifact_digest --compare A.json B.json      which artifacts differ
+
+Each task's outputs (from the run's `index.json`) are keyed by what they are — round, role, stage,
+shard, output name, file — not by kfp.local's DAG folder names, so a pipeline whose DAG is declared
+differently still compares. Two runs of one seed differ in one thing only: the run folder's path
+(kfp.local names it after the start time), which artifacts hold where they name a checkpoint, and
+the trainers' timings (`time/*` metrics, `train_wall_s`), which are measurements. So a digest is
+taken after replacing that path with `<run>` and blanking the timings' values: Parquet files by their
+decoded content (schema with its metadata, then every column; the bytes are compressed, so the path
+cannot be replaced in them), JSON by its parsed content, every other file by its bytes. `raw_sha256` is kept beside it: files that name no
+path (weights, tokenizers, plots, most tables) must be byte-identical too. Bookkeeping that is new in
+every run is left out: task logs, kfp's executor_output.json, the store's completion markers and the
+hard-linked version folders a reader pins (`.name.v-token`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+SKIPPED_FILES = {"task.log", "executor_output.json", "_COMPLETE"}
+PARQUET_MAGIC = b"PAR1"
+
+
+def is_timing(name: object) -> bool:
+    """A metric that measures time: its value differs from run to run by nature."""
+    return isinstance(name, str) and (name.startswith("time/") or name == "train_wall_s")
+
+
+def _normalised(value: object, run_folder: str) -> object:
+    """`value` with the run folder's path replaced and timings' values blanked (as a key, or as the
+    `value` of a metric row {"name": ..., "value": ...})."""
+    if isinstance(value, str):
+        return value.replace(run_folder, "<run>")
+    if isinstance(value, list):
+        return [_normalised(v, run_folder) for v in value]
+    if isinstance(value, dict):
+        timing_row = is_timing(value.get("name"))
+        return {
+            k: None if is_timing(k) or (timing_row and k == "value") else _normalised(v, run_folder)
+            for k, v in value.items()
+        }
+    return value
+
+
+def content_digest(path: Path, run_folder: str) -> str:
+    """sha256 of the file's content, normalised as the module says."""
+    data = path.read_bytes()
+    if path.suffix == ".json":
+        content = _normalised(json.loads(data), run_folder)
+        return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+    if not data.startswith(PARQUET_MAGIC):
+        return hashlib.sha256(data.replace(run_folder.encode(), b"<run>")).hexdigest()
+    table = pq.read_table(io.BytesIO(data))
+    digest = hashlib.sha256(table.schema.to_string(show_schema_metadata=True).encode())
+    rows = _normalised(table.to_pylist(), run_folder)
+    digest.update(json.dumps(rows, sort_keys=True, default=repr).encode())
+    digest.update(str(pq.ParquetFile(io.BytesIO(data)).metadata.num_row_groups).encode())
+    return digest.hexdigest()
+
+
+def digest_run(run_folder: Path) -> dict[str, dict[str, str]]:
+    """{artifact key: {"content_sha256", "raw_sha256"}} for every output file of every task."""
+    index = json.loads((run_folder / "index.json").read_text())
+    out: dict[str, dict[str, str]] = {}
+    for task in index["tasks"]:
+        shard = "" if task["shard"] is None else f" shard {task['shard']}"
+        for output, uris in sorted(task["outputs"].items()):
+            for uri in uris:
+                root = Path(uri)
+                files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+                for f in files:
+                    rel = f.relative_to(root)
+                    if f.name in SKIPPED_FILES or any(".v-" in part for part in rel.parts):
+                        continue
+                    key = f"r{task['round']} {task['role'] or '-'} {task['stage']}{shard} {output}"
+                    key += f"/{rel}" if str(rel) != "." else ""
+                    out[key] = {
+                        "content_sha256": content_digest(f, str(run_folder)),
+                        "raw_sha256": hashlib.sha256(f.read_bytes()).hexdigest(),
+                    }
+    return out
+
+
+def compare(a: dict, b: dict) -> dict:
+    """What differs between two digests (the artifacts' keys and their hashes)."""
+    a_files, b_files = a["artifacts"], b["artifacts"]
+    common = sorted(set(a_files) & set(b_files))
+    return {
+        "artifacts": len(common),
+        "only_in_first": sorted(set(a_files) - set(b_files)),
+        "only_in_second": sorted(set(b_files) - set(a_files)),
+        "content_differs": [
+            k for k in common if a_files[k]["content_sha256"] != b_files[k]["content_sha256"]
+        ],
+        "bytes_identical": sum(a_files[k]["raw_sha256"] == b_files[k]["raw_sha256"] for k in common),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_folder", nargs="?", type=Path)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"))
+    args = parser.parse_args(argv)
+    if args.compare:
+        first, second = (json.loads(p.read_text()) for p in args.compare)
+        result = compare(first, second)
+        print(json.dumps(result, indent=1))
+        same = not (result["only_in_first"] or result["only_in_second"] or result["content_differs"])
+        return 0 if same else 1
+    if args.run_folder is None:
+        parser.error("give a run folder, or --compare A B")
+    digest = {"run_folder": str(args.run_folder), "artifacts": digest_run(args.run_folder.resolve())}
+    text = json.dumps(digest, indent=1, sort_keys=True)
+    if args.out:
+        args.out.write_text(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
