@@ -26,7 +26,7 @@ from bench import machine_info, print_table, write_result
 IMPORTS = {
     "python": "pass",
     "kfp executor": "import kfp.dsl.executor_main",
-    "project (steps)": "import dynamicrubric.steps",
+    "project (stage runner)": "import dynamicrubric.stages.runner",
     "torch + transformers": "import torch, transformers; from transformers import AutoModelForCausalLM",
     "mlflow": "import mlflow",
 }
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     imports = {name: _subprocess_seconds(code, args.repeats) for name, code in IMPORTS.items()}
     # A model stage pays all of these; the process start is inside every figure.
     task_imports = _subprocess_seconds(
-        "import kfp.dsl.executor_main, dynamicrubric.steps, dynamicrubric.engines, mlflow, transformers;"
+        "import kfp.dsl.executor_main, dynamicrubric.stages.runner, dynamicrubric.engines, mlflow, transformers;"
         "from transformers import AutoModelForCausalLM",
         args.repeats,
     )

@@ -33,9 +33,10 @@ from pathlib import Path
 import pandas as pd
 
 from bench.stats import bootstrap_mean, paired_difference
-from dynamicrubric import steps, tasks, train
+from dynamicrubric import tasks, train
 from dynamicrubric.artifacts import empty_table, read_frame, write_artifact
 from dynamicrubric.config import Config, load_config
+from dynamicrubric.stages.runner import run_stage
 
 HERE = Path(__file__).parent
 AUDIT_SEED = 4242  # the same rubric-sampling seed for G_0 and G_1: only the generator differs
@@ -52,8 +53,10 @@ def candidate_sets(cfg: Config, work: Path, split: str, seed: int, reuse: bool) 
     lists = str(work / "no-lists.parquet")
     write_artifact(lists, "anchors", empty_table("anchors"))
     rollouts = str(work / f"{split}-rollouts.parquet")
-    steps.rollout(y, "", 1, split, prompts, rollouts, cfg.models.policy, 0, 1, seed)
-    steps.candidates(y, "", 1, rollouts, prompts, lists, 0, 1, sets, ranked)
+    run_stage("rollout", y, "", 1, label=split, prompts=prompts, out_rollouts=rollouts, policy=cfg.models.policy,
+              shard=0, num_shards=1, seed=seed)  # fmt: skip
+    run_stage("candidates", y, "", 1, rollouts=rollouts, prompts=prompts, anchor_lists=lists, shard=0, num_shards=1,
+              out_candidate_sets=sets, out_anchors=ranked)  # fmt: skip
     return prompts, sets, ranked
 
 
@@ -66,12 +69,13 @@ def audit(
     rubrics, judgments = str(folder / "rubrics.parquet"), str(folder / "judgments.parquet")
     out = {k: str(folder / f"{k}.parquet") for k in ("scores", "rewards", "diagnostics", "metrics")}
     if not (reuse and Path(out["diagnostics"]).exists()):
-        steps.rubrics(y, "", 1, f"audit-{name}", sets, rubrics, generator, cfg.rubrics.samples, 0, AUDIT_SEED)
-        steps.judge(y, "", 1, f"audit-{name}", sets, rubrics, judgments, cfg.models.verifier, 0)
-        steps.aggregate(
-            y, "", 1, f"audit-{name}", [judgments], [sets], [rubrics], [ranked],
-            out["scores"], out["rewards"], out["diagnostics"], out["metrics"],
-        )  # fmt: skip
+        label = f"audit-{name}"
+        run_stage("rubrics", y, "", 1, label=label, candidate_sets=sets, out_rubrics=rubrics, generator=generator,
+                  samples=cfg.rubrics.samples, shard=0, seed=AUDIT_SEED)  # fmt: skip
+        run_stage("judge", y, "", 1, label=label, candidate_sets=sets, rubrics=rubrics, out_judgments=judgments,
+                  verifier=cfg.models.verifier, shard=0)  # fmt: skip
+        run_stage("aggregate", y, "", 1, label=label, judgments=[judgments], candidate_sets=[sets], rubrics=[rubrics],
+                  anchors=[ranked], **{f"out_{k}": v for k, v in out.items()})  # fmt: skip
     rubric_rows = read_frame(rubrics, "rubrics")
     rewards = read_frame(out["rewards"], "rewards")
     diag = read_frame(out["diagnostics"], "diagnostics")

@@ -133,10 +133,10 @@ def mixed_share(cfg: Config, sources: list[str], prompts_per_task: int) -> dict[
 def step_costs(cfg: Config, work: Path, steps: int = 2) -> dict[str, Any]:
     """Seconds per step of both trainers on the study config (the dynamic reward), their per-step
     split, and the seconds of the once-a-round stages that do not scale with steps."""
-    from dynamicrubric import steps as stage
     from dynamicrubric import train
     from dynamicrubric.artifacts import empty_table
     from dynamicrubric.evaluate import run_evaluate
+    from dynamicrubric.stages.runner import run_stage
 
     probe = cfg.model_copy(
         update={
@@ -153,8 +153,10 @@ def step_costs(cfg: Config, work: Path, steps: int = 2) -> dict[str, Any]:
     lists = str(work / "no-lists.parquet")
     write_artifact(lists, "anchors", empty_table("anchors"))
     rollouts, sets, ranked = (str(work / f"{n}.parquet") for n in ("rollouts", "sets", "ranked"))
-    stage.rollout(y, "", 1, "generator", prompts, rollouts, probe.models.policy, 0, 1, 1)
-    stage.candidates(y, "", 1, rollouts, prompts, lists, 0, 1, sets, ranked)
+    run_stage("rollout", y, "", 1, label="generator", prompts=prompts, out_rollouts=rollouts,
+              policy=probe.models.policy, shard=0, num_shards=1, seed=1)  # fmt: skip
+    run_stage("candidates", y, "", 1, rollouts=rollouts, prompts=prompts, anchor_lists=lists, shard=0, num_shards=1,
+              out_candidate_sets=sets, out_anchors=ranked)  # fmt: skip
     seconds["generator_candidates"] = time.perf_counter() - started
 
     started = time.perf_counter()

@@ -39,7 +39,7 @@ from kfp import dsl, kubernetes
 from dynamicrubric import store
 from dynamicrubric.components import stages
 from dynamicrubric.config import (
-    INFERENCE_STAGES,
+    STAGE_FACTS,
     TENSOR_PARALLEL_ENV,
     Config,
     ConfigError,
@@ -51,32 +51,20 @@ from dynamicrubric.config import (
 from dynamicrubric.models import staging_plan
 
 S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
-# Stages that load model weights: they get the model-cache scratch volume.
-MODEL_STAGES = (
-    "stage_models",
-    "rollout",
-    "rubrics",
-    "judge",
-    "train_evaluator",
-    "train_policy",
-    "evaluate_samples",
-    "evaluate",
-)
 CACHE_MOUNT = "/model-cache"
 RETRY_BACKOFF = {"backoff_duration": "60s", "backoff_factor": 2.0, "backoff_max_duration": "1800s"}
-# Stages that run policy-generated code in the sandbox (outcome ranking, HumanEval, the verifiable
-# reward). Their CPU pods carry this label, which the cluster's policies in manifests/cluster/gvisor use
-# to run them under gVisor. A GPU task is never labelled (gVisor would pin it to gVisor nodes, which a
-# normal GPU pool has none of) and runs no policy code: where evaluate gets GPUs its checks move to a
-# CPU task of their own (check-samples, see `split_evaluate`), and train-policy on GPUs leaves code out
-# of its outcome monitoring (config refuses the verifiable reward on code prompts there).
-CODE_STAGES = frozenset({"candidates", "aggregate", "check_samples", "evaluate", "train_policy"})
+# The pod label of tasks that run policy-generated code (config.STAGE_FACTS runs_code), which the
+# cluster's policies in manifests/cluster/gvisor use to run them under gVisor. A GPU task is never
+# labelled (gVisor would pin it to gVisor nodes, which a normal GPU pool has none of) and runs no
+# policy code: where evaluate gets GPUs its checks move to a CPU task of their own (check-samples, see
+# `split_evaluate`), and train-policy on GPUs leaves code out of its outcome monitoring (config refuses
+# the verifiable reward on code prompts there).
 RUNS_CODE_LABEL = ("dynamicrubric.io/runs-code", "true")
 
 
 def runs_in_gvisor(cfg: Config, stage: str) -> bool:
     """Whether the stage's tasks carry RUNS_CODE_LABEL: they run code and request no GPU."""
-    return stage in CODE_STAGES and not cfg.pipeline.stage_resources(stage).gpus
+    return STAGE_FACTS[stage].runs_code and not cfg.pipeline.stage_resources(stage).gpus
 
 
 def split_evaluate(cfg: Config) -> bool:
@@ -137,7 +125,7 @@ def staged_models(cfg: Config) -> ModelsConfig:
 
 
 def _configure(cfg: Config, stage: str) -> Callable[[dsl.PipelineTask, str], dsl.PipelineTask]:
-    """Cluster settings for one stage's tasks (pipeline.resources, else config.DEFAULT_STAGE_RESOURCES).
+    """Cluster settings for one stage's tasks (pipeline.resources, else config.STAGE_FACTS).
 
     Every task requests what it may use (CPU and memory requests equal to the limits), has a deadline,
     and pulls with the configured secrets; GPUs, /dev/shm, node selectors and tolerations go on GPU
@@ -148,6 +136,7 @@ def _configure(cfg: Config, stage: str) -> Callable[[dsl.PipelineTask, str], dsl
     """
     p = cfg.pipeline
     res = p.stage_resources(stage)
+    facts = STAGE_FACTS[stage]
     cluster = for_cluster(cfg)
 
     def apply(task: dsl.PipelineTask, name: str) -> dsl.PipelineTask:
@@ -160,7 +149,7 @@ def _configure(cfg: Config, stage: str) -> Callable[[dsl.PipelineTask, str], dsl
             kubernetes.set_timeout(task, res.timeout_s)
         if res.retries and cluster:
             task.set_retry(num_retries=res.retries, **RETRY_BACKOFF)
-        if stage in MODEL_STAGES:
+        if facts.model_cache:
             # Staged weights and the hub cache on a sized scratch volume, not the container's layer.
             kubernetes.empty_dir_mount(
                 task, volume_name="model-cache", mount_path=CACHE_MOUNT, size_limit=p.model_cache_size
@@ -178,7 +167,7 @@ def _configure(cfg: Config, stage: str) -> Callable[[dsl.PipelineTask, str], dsl
                 kubernetes.add_node_selector(task, key, value)
             for tol in p.tolerations:
                 kubernetes.add_toleration(task, **tol.model_dump(exclude_none=True))
-            if stage in INFERENCE_STAGES and cluster:
+            if facts.inference and cluster:
                 task.set_env_variable(TENSOR_PARALLEL_ENV, str(res.gpus))
         if p.s3_secret:
             kubernetes.use_secret_as_env(task, p.s3_secret, {k: k for k in S3_ENV}, optional=True)
@@ -220,7 +209,7 @@ def build_pipeline(cfg: Config):
         tracking = _configure(cfg, "start_tracking")(c.start_tracking(**common), "start-tracking")
         staging = _configure(cfg, "stage_models")(c.stage_models(plan=model_plan(cfg)), "stage-models")
         # Every model task depends on prepare-data, so none starts before the weights are staged.
-        data = _configure(cfg, "prepare_data")(c.prepare_data(**common), "prepare-data").after(
+        data = _configure(cfg, "prepare_data")(c.prepare_data(**common, round_idx=0), "prepare-data").after(
             tracking, staging
         )
         policy_ckpt: dict = {}  # {} = the base policy; else {"policy_ckpt": the last round's checkpoint}
@@ -359,15 +348,16 @@ def build_pipeline(cfg: Config):
                 ),
                 f"r{t}-train-policy",
             )
-            previous = {"previous_policy": policy_ckpt["policy_ckpt"]} if policy_ckpt else {}
+            previous = {"previous_policy_ckpt": policy_ckpt["policy_ckpt"]} if policy_ckpt else {}
             held_out = {"eval_prompts": data.outputs["eval_prompts"]}
             if split_evaluate(cfg):
                 sampled = _configure(cfg, "evaluate_samples")(
                     c.evaluate_samples(
                         **common,
                         round_idx=t,
-                        base_policy_ref=m.policy,
-                        policy=tp.outputs["policy"],
+                        policy_ref=m.policy,
+                        policy_ckpt=tp.outputs["policy"],
+                        previous_policy_ref=m.policy,
                         **held_out,
                         **previous,
                     ),
@@ -379,12 +369,12 @@ def build_pipeline(cfg: Config):
                 )
                 phases = {"samples": sampled.outputs["samples"], "outcomes": checked.outputs["outcomes"]}
             else:
-                phases = {"policy": tp.outputs["policy"], **previous}
+                phases = {"policy_ckpt": tp.outputs["policy"], **previous}
             _configure(cfg, "evaluate")(
                 c.evaluate(
                     **common,
                     round_idx=t,
-                    base_policy_ref=m.policy,
+                    previous_policy_ref=m.policy,
                     generator_ref=m.generator,
                     verifier_ref=m.verifier,
                     **held_out,

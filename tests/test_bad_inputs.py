@@ -104,12 +104,12 @@ STAGES: dict[str, list[str]] = {
     "rubrics": ["--candidate-sets", "{rollouts}", "--out", "{out}/rubrics.parquet"],
     "judge": ["--candidate-sets", "{rollouts}", "--rubrics", "{rubrics}", "--out", "{out}/judgments.parquet"],
     "prepare-data": [
-        "--out-train", "{out}/train.parquet", "--out-eval", "{out}/eval.parquet",
-        "--out-anchors", "{out}/anchors.parquet",
+        "--out-train-prompts", "{out}/train.parquet", "--out-eval-prompts", "{out}/eval.parquet",
+        "--out-anchor-lists", "{out}/anchors.parquet",
     ],
     "candidates": [
         "--rollouts", "{rollouts}", "--prompts", "{prompts}", "--anchor-lists", "{anchors}",
-        "--out", "{out}/candidates.parquet", "--out-anchors", "{out}/ranked.parquet",
+        "--out-candidate-sets", "{out}/candidates.parquet", "--out-anchors", "{out}/ranked.parquet",
     ],
     "aggregate": [
         "--judgments", "{judgments}", "--candidate-sets", "{rollouts}", "--rubrics", "{rubrics}",
@@ -119,15 +119,15 @@ STAGES: dict[str, list[str]] = {
     ],
     "train-evaluator": [
         "--candidate-sets", "{rollouts}", "--anchors", "{anchors}", "--generator", "tiny-random",
-        "--out", "{out}/generator", "--out-steps", "{out}/steps", "--metrics", "{out}/metrics.parquet",
+        "--out-generator", "{out}/generator", "--out-steps", "{out}/steps", "--out-metrics", "{out}/metrics.parquet",
     ],
     "train-policy": [
         "--prompts", "{prompts}", "--policy", "tiny-random",
-        "--out", "{out}/policy", "--out-steps", "{out}/steps", "--metrics", "{out}/metrics.parquet",
+        "--out-policy", "{out}/policy", "--out-steps", "{out}/steps", "--out-metrics", "{out}/metrics.parquet",
     ],
     "evaluate": [
-        "--prompts", "{prompts}", "--policy", "tiny-random", "--generator", "tiny-random",
-        "--verifier", "tiny-random", "--out", "{out}/metrics.parquet", "--plots", "{out}/plots",
+        "--eval-prompts", "{prompts}", "--policy", "tiny-random", "--generator", "tiny-random",
+        "--verifier", "tiny-random", "--out-metrics", "{out}/metrics.parquet", "--out-plots", "{out}/plots",
     ],
 }  # fmt: skip
 INPUTS = {stage: [k for k in GOOD if f"{{{k}}}" in args] for stage, args in STAGES.items()}
@@ -585,7 +585,7 @@ def _same_path_case(case: str, good: dict[str, str], tmp_path: Path) -> tuple[li
         argv[argv.index("--out") + 1] = str(prompts)
         return argv, str(prompts)
     stage, first, second = {
-        "two-outputs-prepare-data": ("prepare-data", "--out-train", "--out-eval"),
+        "two-outputs-prepare-data": ("prepare-data", "--out-train-prompts", "--out-eval-prompts"),
         "two-outputs-aggregate": ("aggregate", "--out-scores", "--out-rewards"),
     }[case]
     argv = stage_argv(stage, good, out)

@@ -74,12 +74,12 @@ def test_flat_params_have_no_secrets():
 
 def test_every_stage_has_requests_and_unknown_stages_are_errors(tmp_path):
     from dynamicrubric.components.stages import STAGES
-    from dynamicrubric.config import DEFAULT_STAGE_RESOURCES
+    from dynamicrubric.config import STAGE_FACTS
 
-    assert set(DEFAULT_STAGE_RESOURCES) == {f.__name__ for f in STAGES}
+    assert set(STAGE_FACTS) == {f.__name__ for f in STAGES}
     cfg = load_config(preset="paper")
     assert cfg.pipeline.stage_resources("rollout").gpus == 1  # the preset's entry wins
-    assert cfg.pipeline.stage_resources("candidates") == DEFAULT_STAGE_RESOURCES["candidates"]
+    assert cfg.pipeline.stage_resources("candidates") == STAGE_FACTS["candidates"].resources
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"pipeline": {"resources": {"rollouts": {"gpus": 1}}}}))
     with pytest.raises(ConfigError, match=r"pipeline\.resources: .*unknown stage 'rollouts'"):

@@ -29,13 +29,21 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "engines": ("engines", "serving", "sandbox"),
     "method": ("rollout", "rubrics", "judge", "aggregate", "tasks", "evaluate"),
     "training": ("rewards", "train"),
-    "stages": ("steps", "rerun"),
+    "stages": ("stages",),
     "entry points": ("cli", "launch", "components", "pipelines"),
 }
 LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 SOURCES = {
-    **{p.stem: p for p in PACKAGE.glob("*.py") if p.stem != "__init__"},
-    **{f"{folder}.{p.stem}": p for folder in ("components", "pipelines") for p in (ROOT / folder).glob("*.py")},
+    **{
+        ".".join(p.relative_to(PACKAGE).with_suffix("").parts): p
+        for p in PACKAGE.rglob("*.py")
+        if p.stem != "__init__"
+    },
+    **{
+        f"{folder}.{p.stem}": p
+        for folder in ("components", "pipelines")
+        for p in (ROOT / folder).glob("*.py")
+    },
 }
 
 
@@ -133,5 +141,7 @@ def test_the_cycle_finder_finds_a_circle_and_only_a_circle(graph, expected):
 
 def test_a_function_level_import_counts(tmp_path):
     source = tmp_path / "m.py"
-    source.write_text("def f():\n    from dynamicrubric.train import launch\n    from dynamicrubric import steps\n")
-    assert imports_of(source) == {"train", "steps"}
+    source.write_text(
+        "def f():\n    from dynamicrubric.train import launch\n    from dynamicrubric import tracking\n"
+    )
+    assert imports_of(source) == {"train", "tracking"}

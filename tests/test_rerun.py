@@ -3,6 +3,7 @@ seed, samples, model references, inputs) and writes the same bytes the pipeline 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,17 +11,29 @@ from pathlib import Path
 
 import pytest
 
-from dynamicrubric import tracking
-from dynamicrubric.artifacts import write_artifact
+from dynamicrubric import tracking, train
+from dynamicrubric.artifacts import read_frame, write_artifact
 from dynamicrubric.config import load_config
 from dynamicrubric.models import prepare_model
-from dynamicrubric.rerun import inputs_by_kind
 from dynamicrubric.rollout import run_rollout
+from dynamicrubric.stages.declarations import STAGES
+from dynamicrubric.stages.rerun import inputs_by_name
 
-RERUN_STAGES = ("rollout", "rubrics", "judge")
-# The signal audit's second shard in the last round: P_{t-1} and G_t are checkpoints there, not base
-# models, and the shard offset matters.
-TASKS = {"rollout": "audit-rollout-1", "rubrics": "audit-after-rubrics-1", "judge": "audit-after-judge-1"}
+# Each stage's task in the last round (its models are checkpoints there, not base models; the shard
+# offset of the signal audit's second shard matters), and prepare-data's in round 0.
+TASKS = {
+    "prepare_data": "prepare-data",
+    "rollout": "audit-rollout-1",
+    "candidates": "generator-candidates-1",
+    "rubrics": "audit-after-rubrics-1",
+    "judge": "audit-after-judge-1",
+    "aggregate": "audit-after-aggregate",
+    "train_evaluator": "train-evaluator",
+    "train_policy": "train-policy",
+    "evaluate": "evaluate",
+}
+RERUN_STAGES = tuple(TASKS)
+STORE_MARKERS = ("_COMPLETE",)  # the store's completion marker holds a token new on every write
 
 
 def _stage(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -35,46 +48,93 @@ def _stage(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def task_runs(tiny_run):
-    """For each rerunnable stage, its MLflow run in the last round (checkpoints there, not base models)."""
+    """For each stage, its task's MLflow run (see TASKS)."""
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=tiny_run["tracking_uri"])
     experiment = client.get_experiment_by_name(tiny_run["cfg"].pipeline.experiment).experiment_id
     last = str(tiny_run["cfg"].pipeline.rounds)
-    runs = client.search_runs([experiment], f"tags.`{tracking.ROUND_TAG}` = '{last}'", max_results=5000)
+    runs = client.search_runs([experiment], "", max_results=5000)
     chosen = {}
-    for stage in RERUN_STAGES:
-        name = TASKS[stage]
-        matches = [r for r in runs if r.data.tags.get(tracking.STAGE_TAG) == name]
-        assert len(matches) == 1, f"no single {name} run in round {last}"
+    for stage, name in TASKS.items():
+        round_text = "0" if stage == "prepare_data" else last
+        matches = [
+            r
+            for r in runs
+            if r.data.tags.get(tracking.STAGE_TAG) == name
+            and r.data.tags.get(tracking.ROUND_TAG) == round_text
+        ]
+        assert len(matches) == 1, f"no single {name} run in round {round_text}"
         chosen[stage] = client.get_run(matches[0].info.run_id)
     return chosen
 
 
-def _output_uri(run) -> str:
+def _output_uri(run, name: str | None = None) -> str:
     for d in run.inputs.dataset_inputs:
         tags = {t.key: t.value for t in d.tags}
-        if tags.get("mlflow.data.context") == "output":
+        if tags.get("mlflow.data.context") == "output" and name in (None, tags.get(tracking.NAME_TAG)):
             return tags["uri"]
-    raise AssertionError(f"run {run.info.run_id} logged no output")
+    raise AssertionError(f"run {run.info.run_id} logged no output {name or ''}")
+
+
+def _pipeline_output(run, data) -> Path:
+    """Where the pipeline's task wrote output `data`: a dataset output, or a folder (a param)."""
+    uri = run.data.params[f"out_{data.name}"] if data.folder else _output_uri(run, data.name)
+    return Path(uri.removeprefix("file://"))
+
+
+def _without_timings(path: Path) -> bytes | object:
+    """A trainer's metrics artifact and its summary file hold the steps' time/* measurements (and
+    train_wall_s): new on every run by nature. Everything else in them must match exactly."""
+
+    def timing(name: object) -> bool:
+        return isinstance(name, str) and (name.startswith("time/") or name == "train_wall_s")
+
+    if path.name == train.SUMMARY_FILE:
+        summary = json.loads(path.read_text())
+        summary["final"] = {k: v for k, v in summary["final"].items() if not timing(k)}
+        summary["metrics_rows"] = [r for r in summary["metrics_rows"] if not timing(r["name"])]
+        return summary
+    frame = read_frame(str(path), "metrics")
+    return frame[~frame["name"].map(timing)].reset_index(drop=True).to_dict("records")
+
+
+def _files(root: Path) -> dict[str, Path]:
+    if root.is_file():
+        return {"": root}
+    return {
+        str(p.relative_to(root)): p
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name not in STORE_MARKERS and ".v-" not in str(p.relative_to(root))
+    }
 
 
 @pytest.mark.parametrize("stage", RERUN_STAGES)
 def test_from_run_is_byte_identical(tiny_run, task_runs, stage, tmp_path):
+    declared = STAGES[stage]
     run = task_runs[stage]
-    out = tmp_path / f"{stage}.parquet"
+    outputs = {d.name: tmp_path / "rerun" / d.name for d in declared.outputs}
+    flags = [arg for d in declared.outputs for arg in (declared.output_flag(d), str(outputs[d.name]))]
     proc = _stage(
-        stage,
+        declared.command,
         "--from-run",
         run.info.run_id,
-        "--out",
-        str(out),
+        *flags,
         "--tracking-uri",
         tiny_run["tracking_uri"],
         cwd=tmp_path,  # another working directory: nothing may depend on the pipeline's
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert out.read_bytes() == Path(_output_uri(run)).read_bytes()
+    trainer = stage.startswith("train_")
+    for d in declared.outputs:
+        original, again = _files(_pipeline_output(run, d)), _files(outputs[d.name])
+        assert sorted(again) == sorted(original), d.name
+        for rel, path in original.items():
+            timed = trainer and (d.name == "metrics" or path.name == train.SUMMARY_FILE)
+            if timed:
+                assert _without_timings(again[rel]) == _without_timings(path), f"{d.name}/{rel}"
+            else:
+                assert again[rel].read_bytes() == path.read_bytes(), f"{d.name}/{rel}"
 
 
 def test_from_task_names_a_task_of_the_pipeline_run(tiny_run, task_runs, tmp_path, monkeypatch):
@@ -98,7 +158,7 @@ def test_from_task_names_a_task_of_the_pipeline_run(tiny_run, task_runs, tmp_pat
         cwd=tiny_run["workdir"],
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert out.read_bytes() == Path(_output_uri(task_runs["judge"])).read_bytes()
+    assert out.read_bytes() == Path(_output_uri(task_runs["judge"], "judgments")).read_bytes()
 
 
 def test_from_run_refuses_options_it_takes_from_the_run(tiny_run, task_runs, tmp_path):
@@ -147,21 +207,23 @@ def test_a_task_on_an_s3_root_logs_s3_uris_and_reruns_from_them(s3_env, tmp_path
     its MLflow lineage records the s3:// URIs, and `--from-run` reruns it from them, byte for byte."""
     import mlflow
 
-    from dynamicrubric import steps, store, tasks
+    from dynamicrubric import store, tasks
+    from dynamicrubric.stages.runner import run_stage, start_tracking
 
     tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = load_config(None, preset="tiny", overrides={"pipeline": {"mlflow_tracking_uri": tracking_uri}})
     root = f"s3://{s3_env}/runs/r1"
     prompts, rollouts = f"{root}/prepare-data/train_prompts", f"{root}/rollout-1/rollouts"
     write_artifact(prompts, "prompts", tasks.configured_prompts(cfg.data, "train"))
-    steps.start_tracking(cfg.to_yaml(), "s3-run")
-    steps.rollout(cfg.to_yaml(), "s3-run", 1, "audit", prompts, rollouts, "tiny-random", 1, 2, 7)
+    start_tracking(cfg.to_yaml(), "s3-run")
+    run_stage("rollout", cfg.to_yaml(), "s3-run", 1, label="audit", prompts=prompts, out_rollouts=rollouts,
+              policy="tiny-random", shard=1, num_shards=2, seed=7)  # fmt: skip
 
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
     experiment = client.get_experiment_by_name(cfg.pipeline.experiment).experiment_id
     (run,) = client.search_runs([experiment], f"tags.`{tracking.STAGE_TAG}` = 'audit-rollout-1'")
     run = client.get_run(run.info.run_id)
-    inputs = {u for uris in inputs_by_kind(run).values() for u in uris}
+    inputs = {u for uris in inputs_by_name(run).values() for u in uris}
     assert inputs == {prompts} and _output_uri(run) == rollouts  # s3:// URIs, not pod paths
 
     out = f"s3://{s3_env}/rerun/rollouts"

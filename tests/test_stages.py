@@ -241,15 +241,15 @@ def test_evaluate_from_the_cli(tmp_path):
         "evaluate",
         "--preset",
         "tiny",
-        "--prompts",
+        "--eval-prompts",
         prompts,
         "--policy",
         "tiny-random",
         "--previous-policy",
         "tiny-random",
-        "--out",
+        "--out-metrics",
         out,
-        "--plots",
+        "--out-plots",
         str(plots),
         "--round",
         "1",
@@ -283,12 +283,12 @@ def test_evaluate_split_into_three_tasks_gives_the_one_task_result(tmp_path):
         f"data: {{labelled: [{str(pairs)!r}]}}\nevaluate: {{variants: [dynamic, pointwise]}}\n"
         "rubrics: {max_new_tokens: 60}\n"  # short rubrics (cut off ones score empty): a fast test
     )
-    common = ["--preset", "tiny", "--config", str(config), "--prompts", prompts, "--round", "1"]
+    common = ["--preset", "tiny", "--config", str(config), "--eval-prompts", prompts, "--round", "1"]
     models = ["--generator", "tiny-random", "--verifier", "tiny-random"]
     one = {name: str(tmp_path / f"one-{name}.parquet") for name in ("metrics", "units")}
     _run(
         "stage", "evaluate", *common, *models, "--policy", "tiny-random", "--previous-policy", "tiny-random",
-        "--out", one["metrics"], "--units", one["units"], "--plots", str(tmp_path / "one-plots"),
+        "--out-metrics", one["metrics"], "--out-units", one["units"], "--out-plots", str(tmp_path / "one-plots"),
     )  # fmt: skip
     split = {
         name: str(tmp_path / f"split-{name}.parquet") for name in ("samples", "outcomes", "metrics", "units")
@@ -300,7 +300,8 @@ def test_evaluate_split_into_three_tasks_gives_the_one_task_result(tmp_path):
     _run("stage", "check-samples", *common, "--samples", split["samples"], "--out", split["outcomes"])
     _run(
         "stage", "evaluate", *common, *models, "--samples", split["samples"], "--outcomes", split["outcomes"],
-        "--out", split["metrics"], "--units", split["units"], "--plots", str(tmp_path / "split-plots"),
+        "--out-metrics", split["metrics"], "--out-units", split["units"],
+        "--out-plots", str(tmp_path / "split-plots"),
     )  # fmt: skip
 
     outcomes = read_frame(split["outcomes"], "outcomes")
@@ -313,5 +314,15 @@ def test_evaluate_split_into_three_tasks_gives_the_one_task_result(tmp_path):
     assert metrics["policy", "win_rate"] == 0.5 and metrics["policy", "unscored"] == 0
     assert metrics["dynamic", "labelled_pairs"] >= 1 and metrics["pointwise", "labelled_pairs"] >= 1
     # one of the two phases alone is refused, in one line
-    refused = ["stage", "evaluate", *common, "--samples", split["samples"], "--out", "x", "--plots", "y"]
+    refused = [
+        "stage",
+        "evaluate",
+        *common,
+        "--samples",
+        split["samples"],
+        "--out-metrics",
+        "x",
+        "--out-plots",
+        "y",
+    ]
     assert cli.main(refused) == 1

@@ -242,9 +242,9 @@ def test_default_retry_budget_is_at_least_a_minute(monkeypatch):
 def test_stage_survives_a_store_restart_during_its_write(tmp_path, monkeypatch):
     """The server is killed as the stage starts writing its outputs and comes back 3 s later, on the same
     ports and data: the write waits it out within the retry budget and the stage finishes."""
-    from dynamicrubric import steps
     from dynamicrubric.artifacts import read_frame
     from dynamicrubric.config import load_config
+    from dynamicrubric.stages.runner import run_stage
 
     server = SeaweedS3(tmp_path / "weed").start()
     try:
@@ -268,7 +268,13 @@ def test_stage_survives_a_store_restart_during_its_write(tmp_path, monkeypatch):
         outs = [f"s3://outage/run/{name}.parquet" for name in ("train", "eval", "anchors")]
         with monkeypatch.context() as m:
             m.setattr(store, "_upload", upload_during_an_outage)
-            counts = steps.prepare_data(cfg.to_yaml(), "", *outs)
+            counts = run_stage(
+                "prepare_data",
+                cfg.to_yaml(),
+                "",
+                0,
+                **dict(zip(("out_train_prompts", "out_eval_prompts", "out_anchor_lists"), outs, strict=True)),
+            )
         outage["restart"].join()
         assert time.monotonic() - outage["killed"] >= 3  # the write really waited for the restart
         assert counts["train_prompts"] == len(read_frame(outs[0], "prompts")) > 0

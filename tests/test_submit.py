@@ -24,8 +24,8 @@ from google.protobuf import json_format
 from kfp_standin import KfpStandIn, ParsedPipeline, parse_package
 
 from dynamicrubric import cli
-from dynamicrubric.config import INFERENCE_STAGES, TENSOR_PARALLEL_ENV, config_from_yaml, load_config
-from dynamicrubric.pipelines.co_evolution import CACHE_MOUNT, MODEL_STAGES, S3_ENV, task_count
+from dynamicrubric.config import STAGE_FACTS, TENSOR_PARALLEL_ENV, config_from_yaml, load_config
+from dynamicrubric.pipelines.co_evolution import CACHE_MOUNT, S3_ENV, task_count
 
 REPO = Path(__file__).resolve().parents[1]
 # The committed packages and the command that regenerates each from the repository root.
@@ -202,7 +202,7 @@ def test_submit_paper_creates_run_with_cluster_settings(standin, tmp_path, capsy
         assert k8s.active_deadline_seconds == res.timeout_s > 0, label
         env = {e.name: e.value for e in executor.container.env}
         mounts = {m.mount_path: (m.medium, m.size_limit) for m in k8s.empty_dir_mounts}
-        if stage in MODEL_STAGES:  # staged weights land on a sized scratch volume
+        if STAGE_FACTS[stage].model_cache:  # staged weights land on a sized scratch volume
             assert mounts.pop(CACHE_MOUNT) == ("", cfg.pipeline.model_cache_size), label
             assert env.pop("DYNRUBRIC_CACHE").startswith(CACHE_MOUNT + "/"), label
             assert env.pop("HF_HOME").startswith(CACHE_MOUNT + "/"), label
@@ -219,7 +219,7 @@ def test_submit_paper_creates_run_with_cluster_settings(standin, tmp_path, capsy
             tolerations = [(t.key, t.operator, t.effect) for t in k8s.tolerations]
             assert tolerations == [("nvidia.com/gpu", "Exists", "NoSchedule")], label
             # vLLM's tensor parallelism follows the GPUs the task requests (config.config_from_yaml)
-            expected_env = {TENSOR_PARALLEL_ENV: str(res.gpus)} if stage in INFERENCE_STAGES else {}
+            expected_env = {TENSOR_PARALLEL_ENV: str(res.gpus)} if STAGE_FACTS[stage].inference else {}
             assert env == expected_env, label
         else:  # CPU tasks are not pinned to GPU nodes
             assert not resources.HasField("accelerator"), label

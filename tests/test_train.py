@@ -161,7 +161,7 @@ def test_aggregate_stage_reruns_on_a_step_artifacts(tmp_path):
 
 def _candidate_sets(folder: Path, cfg) -> tuple[str, str]:
     """Candidate sets from one tiny rollout, with one user-ranked anchor list among them."""
-    from dynamicrubric import steps
+    from dynamicrubric.stages.runner import run_stage
 
     y = cfg.to_yaml()
     prompts = _prompts(folder, cfg)
@@ -173,9 +173,11 @@ def _candidate_sets(folder: Path, cfg) -> tuple[str, str]:
     ]  # fmt: skip
     write_artifact(lists, "anchors", anchors)
     rollouts = str(folder / "rollouts.parquet")
-    steps.rollout(y, "", 1, "generator", prompts, rollouts, "tiny-random", 0, 1, 0)
+    run_stage("rollout", y, "", 1, label="generator", prompts=prompts, out_rollouts=rollouts, policy="tiny-random",
+              shard=0, num_shards=1, seed=0)  # fmt: skip
     cand, ranked = str(folder / "candidates.parquet"), str(folder / "anchors.parquet")
-    steps.candidates(y, "", 1, rollouts, prompts, lists, 0, 1, cand, ranked)
+    run_stage("candidates", y, "", 1, rollouts=rollouts, prompts=prompts, anchor_lists=lists, shard=0, num_shards=1,
+              out_candidate_sets=cand, out_anchors=ranked)  # fmt: skip
     return cand, ranked
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import reprlib
+from dataclasses import dataclass
 from enum import IntEnum
 from importlib import resources
 from pathlib import Path
@@ -22,7 +23,6 @@ PRESETS = ("tiny", "local", "paper")
 # Set by the pipeline on each task that loads models with vLLM, from its stage's resources.gpus: the
 # task's tensor parallelism is the number of GPUs its pod was given (see config_from_yaml).
 TENSOR_PARALLEL_ENV = "DYNRUBRIC_TENSOR_PARALLEL_SIZE"
-INFERENCE_STAGES = ("rollout", "rubrics", "judge", "evaluate_samples", "evaluate")
 GIB = 2**30
 
 
@@ -237,24 +237,53 @@ class StageResources(Section):
     retries: int = Field(2, ge=0)
 
 
-# Pod settings of stages that a config's `pipeline.resources` does not name: sized for the small
-# presets on CPU nodes. A model stage that gets GPUs must say so in `pipeline.resources` (see paper.yaml).
-DEFAULT_STAGE_RESOURCES: dict[str, StageResources] = {
-    "start_tracking": StageResources(cpu="500m", memory="1Gi", timeout_s=900),
-    "stage_models": StageResources(cpu="2", memory="8Gi", timeout_s=3 * 3600),
-    "prepare_data": StageResources(cpu="1", memory="4Gi", timeout_s=3600),
-    "candidates": StageResources(cpu="2", memory="4Gi", timeout_s=3600),
-    "aggregate": StageResources(cpu="2", memory="8Gi", timeout_s=3600),
-    "rollout": StageResources(cpu="2", memory="8Gi"),
-    "rubrics": StageResources(cpu="2", memory="8Gi"),
-    "judge": StageResources(cpu="2", memory="8Gi"),
-    "train_evaluator": StageResources(cpu="2", memory="16Gi", timeout_s=12 * 3600),
-    "train_policy": StageResources(cpu="2", memory="16Gi", timeout_s=12 * 3600),
-    # On GPUs evaluate is three tasks (pipelines.co_evolution.split_evaluate): the policies sample on a
-    # pod like evaluate's unless `resources.evaluate_samples` says otherwise; their code is checked on CPU.
-    "evaluate_samples": StageResources(cpu="2", memory="8Gi"),
-    "check_samples": StageResources(cpu="2", memory="4Gi", timeout_s=3600),
-    "evaluate": StageResources(cpu="2", memory="8Gi"),
+@dataclass(frozen=True)
+class StageFacts:
+    """What the pipeline and the launcher know about a stage's tasks beside its declaration
+    (stages/declarations.py): one row a stage, keyed by the name config keys and KFP use."""
+
+    resources: StageResources  # pod settings unless the config's `pipeline.resources` names the stage
+    role: str = ""  # whose stage it is, for a task that has no label of its own
+    runs_model: bool = False  # loads a model to run it: the GPU image (else the smaller CPU image)
+    model_cache: bool = False  # reads model weights: gets the model-cache scratch volume
+    inference: bool = False  # an inference engine, whose tensor parallelism is the task's GPU count
+    runs_code: bool = False  # runs policy-generated code in the sandbox (gVisor where it has no GPU)
+
+
+# Resources are sized for the small presets on CPU nodes; a model stage that gets GPUs must say so in
+# `pipeline.resources` (see paper.yaml). Code stages: the outcome ranking, HumanEval and the verifiable
+# reward run policy code; on GPUs evaluate's checks move to check_samples (pipelines.co_evolution).
+_INFERENCE = {"runs_model": True, "model_cache": True, "inference": True}
+STAGE_FACTS: dict[str, StageFacts] = {
+    "start_tracking": StageFacts(StageResources(cpu="500m", memory="1Gi", timeout_s=900)),
+    # only copies weights: no model runs
+    "stage_models": StageFacts(StageResources(cpu="2", memory="8Gi", timeout_s=3 * 3600), model_cache=True),
+    "prepare_data": StageFacts(StageResources(cpu="1", memory="4Gi", timeout_s=3600)),
+    "rollout": StageFacts(StageResources(cpu="2", memory="8Gi"), **_INFERENCE),
+    "candidates": StageFacts(
+        StageResources(cpu="2", memory="4Gi", timeout_s=3600), role="generator", runs_code=True
+    ),
+    "rubrics": StageFacts(StageResources(cpu="2", memory="8Gi"), **_INFERENCE),
+    "judge": StageFacts(StageResources(cpu="2", memory="8Gi"), **_INFERENCE),
+    "aggregate": StageFacts(StageResources(cpu="2", memory="8Gi", timeout_s=3600), runs_code=True),
+    "train_evaluator": StageFacts(
+        StageResources(cpu="2", memory="16Gi", timeout_s=12 * 3600),
+        role="generator",
+        runs_model=True,
+        model_cache=True,
+    ),
+    "train_policy": StageFacts(
+        StageResources(cpu="2", memory="16Gi", timeout_s=12 * 3600),
+        role="policy",
+        runs_model=True,
+        model_cache=True,
+        runs_code=True,
+    ),
+    # On GPUs evaluate is three tasks: the policies sample on a pod like evaluate's unless
+    # `resources.evaluate_samples` says otherwise; their code is checked on CPU.
+    "evaluate_samples": StageFacts(StageResources(cpu="2", memory="8Gi"), **_INFERENCE),
+    "check_samples": StageFacts(StageResources(cpu="2", memory="4Gi", timeout_s=3600), runs_code=True),
+    "evaluate": StageFacts(StageResources(cpu="2", memory="8Gi"), **_INFERENCE, runs_code=True),
 }
 
 
@@ -291,18 +320,16 @@ class PipelineConfig(Section):
     @field_validator("resources")
     @classmethod
     def _known_stages(cls, value: dict[str, StageResources]) -> dict[str, StageResources]:
-        unknown = sorted(set(value) - set(DEFAULT_STAGE_RESOURCES))
+        unknown = sorted(set(value) - set(STAGE_FACTS))
         if unknown:
-            raise ValueError(
-                f"unknown stage {unknown[0]!r}; expected one of {sorted(DEFAULT_STAGE_RESOURCES)}"
-            )
+            raise ValueError(f"unknown stage {unknown[0]!r}; expected one of {sorted(STAGE_FACTS)}")
         return value
 
     def stage_resources(self, stage: str) -> StageResources:
         """The stage's entry in `resources`, else its default (evaluate's for evaluate_samples)."""
         if stage == "evaluate_samples" and stage not in self.resources and "evaluate" in self.resources:
             return self.resources["evaluate"]
-        return self.resources.get(stage) or DEFAULT_STAGE_RESOURCES.get(stage, StageResources())
+        return self.resources.get(stage) or STAGE_FACTS[stage].resources
 
 
 class Config(Section):
@@ -324,7 +351,7 @@ class Config(Section):
     @model_validator(mode="after")
     def _one_source_for_tensor_parallelism(self) -> Config:
         tp = self.engine.tensor_parallel_size
-        for stage in INFERENCE_STAGES:
+        for stage in (s for s, facts in STAGE_FACTS.items() if facts.inference):
             gpus = self.pipeline.stage_resources(stage).gpus
             if gpus and tp not in (1, gpus):
                 raise ValueError(

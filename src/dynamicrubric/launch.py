@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dynamicrubric import logs, tracking
-from dynamicrubric.config import Config
+from dynamicrubric.config import STAGE_FACTS, Config
 from dynamicrubric.stats import wilson_interval
 from dynamicrubric.task_processes import TaskStarter
 
@@ -209,11 +209,15 @@ def _one_line(e: Exception) -> str:
 
 # tqdm's bar ("desc:  40%|####      | 4/10 [00:02<00:03, 2.00batch/s]") and its no-total form.
 PROGRESS_LINE = re.compile(r"\d+%\|.*\|\s*\d+/\d+|\|\s*\d+/\d+ \[|\d+(?:\.\d+)?\w*/s\]")
-# What a task's role is when its component has no `label` parameter.
-COMPONENT_ROLE = {"candidates": "generator", "train_evaluator": "generator", "train_policy": "policy"}
 FAILED_TAIL_LINES = 40
 # kfp.local warns once per task about settings that only a cluster uses (images, display names).
 KFP_NOISE = (r".*non-Python base image.*", r".*have no effect in the current local runner.*")
+
+
+def _component_role(component: str) -> str:
+    """A task's role when its component has no `label` parameter (config.STAGE_FACTS)."""
+    facts = STAGE_FACTS.get(component)
+    return facts.role if facts else ""
 
 
 def _executor_input(full_command: list[str]) -> tuple[str, dict]:
@@ -230,7 +234,7 @@ def task_entry(component: str, executor_input: dict) -> dict:
     """A task's index entry: its folder, round, role, stage, shard and artifact URIs."""
     inputs, outputs = executor_input.get("inputs", {}), executor_input.get("outputs", {})
     params = inputs.get("parameterValues", {})
-    role = params.get("label") or COMPONENT_ROLE.get(component, "")
+    role = params.get("label") or _component_role(component)
     folder = str(Path(outputs.get("outputFile", "")).parent) if outputs.get("outputFile") else ""
 
     def uris(section: dict) -> dict[str, list[str]]:
@@ -275,7 +279,7 @@ def _cached_entry(task_spec, io_store, outputs: dict) -> dict:
         "component": component,
         "stage": component.replace("_", "-"),
         "round": int(params.get("round_idx", 0)),
-        "role": params.get("label") or COMPONENT_ROLE.get(component, ""),
+        "role": params.get("label") or _component_role(component),
         "shard": int(params["shard"]) if "shard" in params else None,
         "inputs": {name: _uris(v) for name, v in arguments.items() if _uris(v)},
         "outputs": output_uris,

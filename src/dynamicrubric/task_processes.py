@@ -39,7 +39,7 @@ PRELOAD = [
     "mlflow",
     "mlflow.store.tracking.sqlalchemy_store",
     "kfp.dsl.executor_main",
-    "dynamicrubric.steps",
+    "dynamicrubric.stages.runner",
     "dynamicrubric.engines",
     "dynamicrubric.tracking",
 ]

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 ROUND_TAG = "dynrubric.round"
 STAGE_TAG = "dynrubric.stage"
 PIPELINE_TAG = "dynrubric.pipeline_run"
+NAME_TAG = "dynrubric.name"  # a dataset input's name in its stage's declaration
+POSITION_TAG = "dynrubric.position"  # its place in a list of shards
 
 
 def tracking_uri(cfg: Config) -> str:
@@ -137,8 +139,11 @@ class StageRun:
         self.run_id = run_id
         self.summary: dict[str, float] = {}  # the numbers of log_metrics, for the task's one log line
 
-    def log_artifact_dataset(self, uri: str, kind: str, context: str) -> None:
-        """Record an artifact as an MLflow dataset input ('input' or 'output') whose source is its URI."""
+    def log_artifact_dataset(
+        self, uri: str, kind: str, context: str, *, name: str = "", position: int = 0
+    ) -> None:
+        """Record an artifact as an MLflow dataset input ('input' or 'output') whose source is its URI,
+        tagged with the stage's name for it and, for a list of shards, its position in the list."""
         from dynamicrubric.artifacts import read_frame
         from dynamicrubric.store import read_bytes
 
@@ -148,7 +153,7 @@ class StageRun:
         # saw: the URI is part of the digest, so a byte-identical copy at another URI (a task that
         # passes its input through) is a dataset of its own with its own source.
         digest = hashlib.sha256(source.encode() + b"\0" + read_bytes(uri)).hexdigest()[:16]
-        tags = {"kind": kind, "uri": source}
+        tags = {"kind": kind, "uri": source, NAME_TAG: name or kind, POSITION_TAG: str(position)}
         # Schema inference warns about int columns when the dataset is built and again when it is
         # logged (its profile and schema are computed lazily): both stay inside the filter.
         with warnings.catch_warnings():

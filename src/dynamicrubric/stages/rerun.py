@@ -1,10 +1,10 @@
 """Rerun one task of a finished pipeline run from what MLflow recorded about it.
 
-`dynrubric stage NAME --from-run RUN_ID [--from-task ROUND/TASK] --out URI` takes everything from the
-run: the pipeline's config (the parent run's `config.yaml`), the task's parameters (model references,
-seed, samples, shard) and its input artifacts (dataset inputs, by their `uri` tag), and calls the same
-step function the pipeline's component called. Written to a new place, the output is byte-identical
-to the pipeline's.
+`dynrubric stage NAME --from-run RUN_ID [--from-task ROUND/TASK] --out URI ...` takes everything but
+where to write from the run: the pipeline's config (the parent run's `config.yaml`), the task's round,
+its declared params and model references (MLflow params) and its input artifacts (dataset inputs, by
+their name and position tags), and runs the stage as the pipeline's task ran it. Written to a new
+place, the outputs are byte-identical to the pipeline's.
 """
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from dynamicrubric import steps, tracking
+from dynamicrubric import tracking
+from dynamicrubric.config import config_from_yaml
+from dynamicrubric.stages.declarations import STAGES
+from dynamicrubric.stages.runner import STAGE_PARAM, execute
 
 
 class RerunError(RuntimeError):
@@ -95,71 +98,45 @@ def pipeline_config(tracking_uri: str, run) -> str:
         return Path(path).read_text()
 
 
-def inputs_by_kind(run) -> dict[str, list[str]]:
-    """The task's input artifacts by kind (rollouts, rubrics, ...), as the URIs it logged."""
-    found: dict[str, list[str]] = {}
+def inputs_by_name(run) -> dict[str, list[str]]:
+    """The task's input artifacts by their name in the stage's declaration, each list in the order the
+    task was given it (shards), as the URIs it logged."""
+    found: dict[str, list[tuple[int, str]]] = {}
     for d in run.inputs.dataset_inputs:
         tags = {t.key: t.value for t in d.tags}
         if tags.get("mlflow.data.context") == "input":
-            found.setdefault(tags.get("kind", d.dataset.name), []).append(tags["uri"])
-    return found
+            name = tags.get(tracking.NAME_TAG, tags.get("kind", d.dataset.name))
+            found.setdefault(name, []).append((int(tags.get(tracking.POSITION_TAG, 0)), tags["uri"]))
+    return {name: [uri for _, uri in sorted(uris)] for name, uris in found.items()}
 
 
-def rerun(stage: str, tracking_uri: str, run_id: str, task: str | None, out: str) -> dict:
-    """Rerun task `stage` (rollout, rubrics or judge) of a pipeline run into `out`; return its counts."""
+def rerun(stage_name: str, tracking_uri: str, run_id: str, task: str | None, outputs: dict[str, str]) -> dict:
+    """Rerun a task of stage `stage_name` of a pipeline run, writing its outputs (`out_<name>` -> URI)
+    where `outputs` says; return its numbers."""
+    stage = STAGES[stage_name]
     run = find_stage_run(tracking_uri, run_id, task)
-    name = run.data.tags[tracking.STAGE_TAG]  # "<label>-<stage>-<shard>"; a label may hold "-" itself
-    label, found, shard = name.rpartition(f"-{stage}-")
-    if not (label and found and shard.isdigit()):
-        raise RerunError(f"run {run.info.run_id} is task {name!r}, not a {stage} task")
-    round_idx = int(run.data.tags[tracking.ROUND_TAG])
     params = run.data.params
-    inputs = inputs_by_kind(run)
-    config_yaml = pipeline_config(tracking_uri, run)
-
-    def one(kind: str) -> str:
-        uris = inputs.get(kind, [])
-        if len(uris) != 1:
-            raise RerunError(f"run {run.info.run_id} ({name}) logged {len(uris)} {kind} inputs, expected one")
-        return uris[0]
-
-    if stage == "rollout":
-        return steps.rollout(
-            config_yaml,
-            "",
-            round_idx,
-            label,
-            one("prompts"),
-            out,
-            params["policy"],
-            int(params["shard"]),
-            int(params["num_shards"]),
-            int(params["seed"]),
+    name = run.data.tags[tracking.STAGE_TAG]
+    if params.get(STAGE_PARAM) != stage.name:
+        what = (
+            f"a {params[STAGE_PARAM].replace('_', '-')} task"
+            if STAGE_PARAM in params
+            else "not a rerunnable task"
         )
-    if stage == "rubrics":
-        return steps.rubrics(
-            config_yaml,
-            "",
-            round_idx,
-            label,
-            one("rollouts"),
-            out,
-            params["generator"],
-            int(params["samples"]),
-            int(params["shard"]),
-            int(params["seed"]),
-        )
-    if stage == "judge":
-        rubrics = one("rubrics") if "rubrics" in inputs else ""
-        return steps.judge(
-            config_yaml,
-            "",
-            round_idx,
-            label,
-            one("rollouts"),
-            rubrics,
-            out,
-            params["verifier"],
-            int(params["shard"]),
-        )
-    raise RerunError(f"--from-run reruns rollout, rubrics and judge tasks; not {stage!r}")
+        raise RerunError(f"run {run.info.run_id} is task {name!r}, {what}, not {stage.command}")
+    inputs = inputs_by_name(run)
+    values: dict = dict(outputs)
+    for p in stage.params:
+        text = params.get(p.name)
+        values[p.name] = None if text in (None, "None") else p.type(text)
+    for m in stage.models:
+        values[m.name] = params.get(m.name, "")
+    for d in stage.inputs:
+        uris = inputs.get(d.name, [])
+        if not d.shards and len(uris) > 1:
+            raise RerunError(
+                f"run {run.info.run_id} ({name}) logged {len(uris)} {d.name} inputs, expected one"
+            )
+        values[d.name] = uris if d.shards else (uris[0] if uris else "")
+    cfg = config_from_yaml(pipeline_config(tracking_uri, run))
+    return execute(stage, cfg, "", int(run.data.tags[tracking.ROUND_TAG]), values)

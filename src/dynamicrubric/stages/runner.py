@@ -1,0 +1,158 @@
+"""One runner for every stage: complete and check the values, check the outputs can be written, do
+the work, then log the task's lineage to MLflow — the same for a KFP task, `dynrubric stage` and a
+`--from-run` rerun."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dynamicrubric import logs, store, tracking
+from dynamicrubric.config import Config, config_from_yaml
+from dynamicrubric.models import model_reference
+from dynamicrubric.stages.declarations import STAGES
+from dynamicrubric.stages.spec import Stage
+
+STAGE_PARAM = "stage"  # every stage run logs its stage's name, so a rerun knows what it is rerunning
+
+
+def run_stage(name: str, config_yaml: str, run_name: str, round_idx: int, **values: Any) -> dict:
+    """A KFP task's entry point: set up the task process, then run stage `name` (see `execute`)."""
+    started = time.perf_counter()
+    logs.setup()
+    logs.skip_the_exit_collection()
+    return execute(STAGES[name], config_from_yaml(config_yaml), run_name, round_idx, values, started=started)
+
+
+def execute(
+    stage: Stage, cfg: Config, run_name: str, round_idx: int, values: dict, *, started: float | None = None
+) -> dict:
+    """Run `stage` on `values` (by name; see declarations.py), logging to MLflow under `run_name`
+    (none when it is empty); return the numbers of the task's log line."""
+    started = time.perf_counter() if started is None else started
+    values = complete(stage, cfg, values)
+    if stage.check:
+        stage.check(values)
+    outputs = [(d, values[f"out_{d.name}"]) for d in stage.outputs]
+    preflight(
+        *(uri for d, uri in outputs if not d.folder),
+        folders=[uri for d, uri in outputs if d.folder],
+        inputs=[uri for d in stage.inputs for uri in _uris(values[d.name])],
+    )
+    result = stage.run(cfg, round_idx, **values)
+    with tracking.stage_run(cfg, run_name, round_idx, stage.task_name(values), started=started) as run:
+        if run:
+            log_lineage(run, stage, run_name, round_idx, values, result)
+    return result
+
+
+def complete(stage: Stage, cfg: Config, values: dict) -> dict:
+    """Every value the stage takes: a model not given is the config's (models.<role>) or "" where it is
+    optional, an optional artifact not given is "" (a list of shards: []), a param its default."""
+    known = {p.name for p in stage.params} | {m.name for m in stage.models} | {d.name for d in stage.inputs}
+    known |= {f"out_{d.name}" for d in stage.outputs}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise TypeError(f"stage {stage.command}: unknown value {unknown[0]!r}; it takes {sorted(known)}")
+    done = dict(values)
+    for p in stage.params:
+        if done.get(p.name) is None:
+            if p.required:
+                raise ValueError(f"stage {stage.command}: --{p.name.replace('_', '-')} is required")
+            done[p.name] = p.default
+    for m in stage.models:
+        if not done.get(m.name):
+            done[m.name] = getattr(cfg.models, m.default_from) if m.default_from else ""
+    for d in stage.inputs:
+        if not done.get(d.name):
+            if not d.optional:
+                raise ValueError(f"stage {stage.command}: --{d.name.replace('_', '-')} is required")
+            done[d.name] = [] if d.shards else ""
+        elif d.shards and isinstance(done[d.name], str):
+            done[d.name] = [done[d.name]]
+    for d in stage.outputs:
+        key = f"out_{d.name}"
+        if not done.get(key):
+            if not d.optional:
+                raise ValueError(f"stage {stage.command}: {stage.output_flag(d)} is required")
+            done[key] = ""
+    return done
+
+
+def log_lineage(run, stage: Stage, run_name: str, round_idx: int, values: dict, result: dict) -> None:
+    """The stage's params, the model references it loaded, its input and output datasets (inputs
+    tagged with their name and position, so that a rerun hands each back where it was), the folders
+    it wrote, and its numbers."""
+    params: dict[str, object] = {STAGE_PARAM: stage.name}
+    params.update({p.name: values[p.name] for p in stage.params})
+    params.update({m.name: model_reference(values[m.name]) if values[m.name] else "" for m in stage.models})
+    params.update(
+        {f"out_{d.name}": tracking.artifact_uri(values[f"out_{d.name}"]) for d in stage.outputs if d.folder}
+    )
+    run.log_params(params)
+    for d in stage.inputs:
+        for position, uri in enumerate(_uris(values[d.name])):
+            run.log_artifact_dataset(uri, d.kind, "input", name=d.name, position=position)
+    for d in stage.outputs:
+        uri = values[f"out_{d.name}"]
+        if uri and not d.folder:
+            run.log_artifact_dataset(uri, d.kind, "output", name=d.name)
+    if stage.lineage:
+        stage.lineage(run, run_name, round_idx, values, result)
+    else:
+        run.log_metrics(result)
+
+
+def _uris(value: str | list[str]) -> list[str]:
+    return [u for u in ([value] if isinstance(value, str) else value) if u]
+
+
+def preflight(*uris: str, folders: Sequence[str] = (), inputs: Sequence[str] = ()) -> None:
+    """Check every output (`uris` are files, `folders` folders) can be written before inputs are read
+    or a model is loaded: a missing bucket found after the compute throws the compute away. Two outputs
+    at one path, or an output at an input's path, would overwrite one with the other without a word,
+    and a local file output where a folder is (or the reverse) fails only once written, so they are
+    refused too."""
+    seen: dict[str, str] = {}
+    for uri in (u for u in inputs if u):
+        seen.setdefault(_identity(uri), f"the input {uri}")
+    for uri in (u for u in (*uris, *folders) if u):
+        other = seen.get(_identity(uri))
+        if other is not None:
+            raise ValueError(f"{uri}: an output cannot be written where {other} is")
+        seen[_identity(uri)] = f"the output {uri}"
+    for uri in (u for u in uris if u and not store.is_s3(u)):
+        if store.local_path(uri).is_dir():
+            raise ValueError(f"{uri}: exists and is a folder, not a file")
+    for uri in (u for u in folders if u and not store.is_s3(u)):
+        path = store.local_path(uri)
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"{uri}: exists and is not a folder")
+    for uri in (*uris, *folders):
+        store.check_writable(uri)
+
+
+def _identity(uri: str) -> str:
+    """One spelling per location: a local path resolved (./a and a are one file), an S3 URI as given."""
+    return uri.rstrip("/") if store.is_s3(uri) else str(store.local_path(uri).resolve())
+
+
+def write_kfp_metrics(summary: Any, values: dict) -> None:
+    """Numbers for the KFP UI, plus a file at the artifact's path: kfp.local treats a cached output whose
+    file is missing as stale, and a Metrics artifact has none of its own, which would rerun the task."""
+    finite = {k: float(v) for k, v in values.items() if isinstance(v, int | float) and v == v}
+    for name, value in finite.items():
+        summary.log_metric(name, value)
+    Path(summary.path).parent.mkdir(parents=True, exist_ok=True)
+    Path(summary.path).write_text(json.dumps(finite, sort_keys=True))
+
+
+def start_tracking(config_yaml: str, run_name: str) -> str:
+    """Create the MLflow parent run; later tasks find it by `run_name` (see tracking.py)."""
+    logs.setup()
+    logs.skip_the_exit_collection()
+    cfg = config_from_yaml(config_yaml)
+    return tracking.start_pipeline_run(cfg, run_name, cfg.pipeline.rounds)
