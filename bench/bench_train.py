@@ -37,9 +37,10 @@ from pathlib import Path
 import yaml
 
 from bench import RESULTS, machine_info, print_table, write_result
-from dynamicrubric import tasks, train
+from dynamicrubric import tasks
 from dynamicrubric.artifacts import read_frame, write_artifact
 from dynamicrubric.config import load_config
+from dynamicrubric.training import launcher
 
 PARTS = (
     "time/generation_s",
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = str(work / "prompts.parquet")
         write_artifact(prompts, "prompts", tasks.configured_prompts(cfg.data, "train"))
         started = time.perf_counter()
-        train.launch(
+        launcher.launch(
             "train-policy",
             cfg,
             prompts_uri=prompts,

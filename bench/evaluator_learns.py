@@ -2,7 +2,7 @@
 
 P_0 (SmolLM2-135M-Instruct) samples K responses for the training prompts and for held-out prompts,
 which become candidate sets (the standalone rollout and candidates stages, with reference rankings
-from verifiable outcomes). G_0 is trained online on the training sets (`dynamicrubric.train`:
+from verifiable outcomes). G_0 is trained online on the training sets (`dynamicrubric.training`:
 TRL's GRPOTrainer, R_disc + λ·R_anchor, soft verdicts, rubrics decoded under their JSON schema) into
 G_1. Then G_0 and G_1 each write rubrics for the held-out sets with the same seed, the frozen
 verifier judges them, and aggregation gives per set: R_disc, tie rate, uniformity and Δgap (the
@@ -33,10 +33,11 @@ from pathlib import Path
 import pandas as pd
 
 from bench.stats import bootstrap_mean, paired_difference
-from dynamicrubric import tasks, train
+from dynamicrubric import tasks
 from dynamicrubric.artifacts import empty_table, read_frame, write_artifact
 from dynamicrubric.config import Config, load_config
 from dynamicrubric.stages.runner import run_stage
+from dynamicrubric.training import launcher
 
 HERE = Path(__file__).parent
 AUDIT_SEED = 4242  # the same rubric-sampling seed for G_0 and G_1: only the generator differs
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     timed("audit_g0_s", started)
 
     started = time.perf_counter()
-    train.launch(
+    launcher.launch(
         "train-evaluator",
         cfg,
         candidates=[train_sets],

@@ -110,9 +110,9 @@ case "${1:-}" in
     PY=$(local_python)
     STEP="imports"
     # The project's modules that the step imports must need nothing the GPU machine lacks.
-    lacking=$("$PY" -c "import sys, bench.gpu_step as g, dynamicrubric.train, dynamicrubric.config
-print(' '.join(m for m in g.LACKING if m in sys.modules))") || fail "$PY cannot import bench.gpu_step and dynamicrubric.train"
-    [ -z "$lacking" ] || fail "dynamicrubric.train imports $lacking, which the GPU machine lacks"
+    lacking=$("$PY" -c "import sys, bench.gpu_step as g, dynamicrubric.training.grpo, dynamicrubric.training.launcher, dynamicrubric.config
+print(' '.join(m for m in g.LACKING if m in sys.modules))") || fail "$PY cannot import bench.gpu_step and dynamicrubric.training"
+    [ -z "$lacking" ] || fail "dynamicrubric.training imports $lacking, which the GPU machine lacks"
     STEP="dry run"
     WORK=$(work_dir)
     [ -n "${GPU_SMOKE_WORK:-}" ] || trap 'rm -rf "$WORK"' EXIT

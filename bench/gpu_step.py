@@ -256,7 +256,8 @@ def run_step(device: torch.device, tiny: bool, result: dict[str, Any]) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from dynamicrubric.train import _lora_config, check_device
+    from dynamicrubric.training.checkpoints import lora_config as _lora_config
+    from dynamicrubric.training.monitoring import check_device
 
     cuda = device.type == "cuda"
     phases = Phases(cuda)

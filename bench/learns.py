@@ -1,6 +1,6 @@
 """Does the online trainer learn? The RLVR check of the TRL policy trainer on this CPU.
 
-SmolLM2-135M-Instruct is trained by `dynamicrubric.train` (TRL's GRPOTrainer, the verifiable reward:
+SmolLM2-135M-Instruct is trained by `dynamicrubric.training` (TRL's GRPOTrainer, the verifiable reward:
 reasoning-gym's own checker) on easy arithmetic prompts; its avg@k on held-out prompts is measured
 before and after with the same sampling seeds, and the paired difference gets a 95% bootstrap
 interval over prompts (bench/stats.py). The config is bench/study/learns.yaml.
@@ -24,13 +24,14 @@ from pathlib import Path
 import pandas as pd
 
 from bench.stats import bootstrap_mean, paired_difference
-from dynamicrubric import tasks, train
+from dynamicrubric import tasks
 from dynamicrubric.artifacts import read_frame, write_artifact
 from dynamicrubric.config import Config, load_config
 from dynamicrubric.engines import load_engine
 from dynamicrubric.evaluate import check_samples
 from dynamicrubric.models import resolve_model
 from dynamicrubric.rollout import sample_rollouts
+from dynamicrubric.training import launcher
 
 HERE = Path(__file__).parent
 EVAL_SEED = 12345  # the same sampling seed before and after training: a paired comparison
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     timings["eval_before_s"] = time.perf_counter() - started
 
     started = time.perf_counter()
-    train.launch(
+    launcher.launch(
         "train-policy",
         cfg,
         prompts_uri=str(work / "prompts.parquet"),

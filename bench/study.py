@@ -133,10 +133,10 @@ def mixed_share(cfg: Config, sources: list[str], prompts_per_task: int) -> dict[
 def step_costs(cfg: Config, work: Path, steps: int = 2) -> dict[str, Any]:
     """Seconds per step of both trainers on the study config (the dynamic reward), their per-step
     split, and the seconds of the once-a-round stages that do not scale with steps."""
-    from dynamicrubric import train
     from dynamicrubric.artifacts import empty_table
     from dynamicrubric.evaluate import run_evaluate
     from dynamicrubric.stages.runner import run_stage
+    from dynamicrubric.training import launcher
 
     probe = cfg.model_copy(
         update={
@@ -176,7 +176,7 @@ def step_costs(cfg: Config, work: Path, steps: int = 2) -> dict[str, Any]:
         ("train-policy", {"prompts_uri": prompts, "policy": probe.models.policy}),
     ):
         metrics_uri = str(work / f"{trainer}.metrics.parquet")
-        train.launch(
+        launcher.launch(
             trainer,
             probe,
             out_uri=str(work / trainer),

@@ -28,7 +28,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "io": ("artifacts", "tracking", "models"),
     "engines": ("engines", "serving", "sandbox"),
     "method": ("rollout", "rubrics", "judge", "aggregate", "tasks", "evaluate"),
-    "training": ("rewards", "train"),
+    "training": ("rewards", "training"),
     "stages": ("stages",),
     "entry points": ("cli", "launch", "components", "pipelines"),
 }
@@ -142,6 +142,6 @@ def test_the_cycle_finder_finds_a_circle_and_only_a_circle(graph, expected):
 def test_a_function_level_import_counts(tmp_path):
     source = tmp_path / "m.py"
     source.write_text(
-        "def f():\n    from dynamicrubric.train import launch\n    from dynamicrubric import tracking\n"
+        "def f():\n    from dynamicrubric.training.grpo import train_policy\n    from dynamicrubric import tracking\n"
     )
-    assert imports_of(source) == {"train", "tracking"}
+    assert imports_of(source) == {"training.grpo", "tracking"}

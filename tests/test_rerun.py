@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from dynamicrubric import tracking, train
+from dynamicrubric import tracking
 from dynamicrubric.artifacts import read_frame, write_artifact
 from dynamicrubric.config import load_config
 from dynamicrubric.models import prepare_model
 from dynamicrubric.rollout import run_rollout
 from dynamicrubric.stages.declarations import STAGES
 from dynamicrubric.stages.rerun import inputs_by_name
+from dynamicrubric.training import checkpoints
 
 # Each stage's task in the last round (its models are checkpoints there, not base models; the shard
 # offset of the signal audit's second shard matters), and prepare-data's in round 0.
@@ -90,7 +91,7 @@ def _without_timings(path: Path) -> bytes | object:
     def timing(name: object) -> bool:
         return isinstance(name, str) and (name.startswith("time/") or name == "train_wall_s")
 
-    if path.name == train.SUMMARY_FILE:
+    if path.name == checkpoints.SUMMARY_FILE:
         summary = json.loads(path.read_text())
         summary["final"] = {k: v for k, v in summary["final"].items() if not timing(k)}
         summary["metrics_rows"] = [r for r in summary["metrics_rows"] if not timing(r["name"])]
@@ -130,7 +131,7 @@ def test_from_run_is_byte_identical(tiny_run, task_runs, stage, tmp_path):
         original, again = _files(_pipeline_output(run, d)), _files(outputs[d.name])
         assert sorted(again) == sorted(original), d.name
         for rel, path in original.items():
-            timed = trainer and (d.name == "metrics" or path.name == train.SUMMARY_FILE)
+            timed = trainer and (d.name == "metrics" or path.name == checkpoints.SUMMARY_FILE)
             if timed:
                 assert _without_timings(again[rel]) == _without_timings(path), f"{d.name}/{rel}"
             else:

@@ -142,3 +142,38 @@ def test_a_rerun_refuses_a_task_of_another_stage(declared, tmp_path):
     (run,) = client.search_runs([experiment], f"tags.`{tracking.STAGE_TAG}` = 'a-tagged'")
     with pytest.raises(RerunError, match="a tagged task, not rollout"):
         rerun(ROLLOUT.name, uri, run.info.run_id, None, {"out_rollouts": str(tmp_path / "r.parquet")})
+
+
+def test_the_gpu_split_of_evaluate_reruns_byte_for_byte(tmp_path):
+    """evaluate-samples and check-samples (the tasks a GPU pipeline splits evaluate into; the tiny run
+    has none) rerun from their MLflow runs into the same bytes."""
+    import mlflow
+
+    from dynamicrubric.tasks import load_prompts
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = load_config(None, preset="tiny", overrides={"pipeline": {"mlflow_tracking_uri": uri, "rounds": 1}})
+    prompts = str(tmp_path / "eval.parquet")
+    write_artifact(prompts, "prompts", load_prompts(["reasoning_gym:basic_arithmetic"], 2, "eval", 0))
+    start_tracking(cfg.to_yaml(), "split")
+    samples, outcomes = str(tmp_path / "samples.parquet"), str(tmp_path / "outcomes.parquet")
+    values = {"policy": "tiny-random", "previous_policy": "tiny-random", "eval_prompts": prompts}
+    execute(STAGES["evaluate_samples"], cfg, "split", 1, {**values, "out_samples": samples})
+    execute(
+        STAGES["check_samples"],
+        cfg,
+        "split",
+        1,
+        {"eval_prompts": prompts, "samples": samples, "out_outcomes": outcomes},
+    )
+
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name(cfg.pipeline.experiment).experiment_id
+    for stage, task, out, written in (
+        ("evaluate_samples", "evaluate-samples", "out_samples", samples),
+        ("check_samples", "check-samples", "out_outcomes", outcomes),
+    ):
+        (run,) = client.search_runs([experiment], f"tags.`{tracking.STAGE_TAG}` = '{task}'")
+        again = str(tmp_path / f"again-{stage}.parquet")
+        rerun(stage, uri, run.info.run_id, None, {out: again})
+        assert Path(again).read_bytes() == Path(written).read_bytes(), stage

@@ -1,7 +1,7 @@
 """The online trainers (TRL GRPOTrainer + DynamicRubric rewards) on the tiny-random model.
 
 Direction of the update, determinism of per-step artifacts and weights, resume after SIGKILL, and
-the checks that stop a misconfigured run before it starts. Every run goes through `train.launch`,
+the checks that stop a misconfigured run before it starts. Every run goes through `launcher.launch`,
 the same `accelerate launch` path the pipeline's training components use.
 """
 
@@ -19,12 +19,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dynamicrubric import store, tasks, train
+from dynamicrubric import store, tasks
 from dynamicrubric.artifacts import empty_table, read_frame, write_artifact
 from dynamicrubric.config import load_config
 from dynamicrubric.engines import load_engine
 from dynamicrubric.models import resolve_model
 from dynamicrubric.rollout import policy_prompt
+from dynamicrubric.training import checkpoints, data, grpo, launcher
 
 FAST = {"steps": 1, "prompts_per_step": 2, "micro_batch_size": 4, "learning_rate": 5e-3, "torch_threads": 1}
 
@@ -43,7 +44,7 @@ def _prompts(folder: Path, cfg) -> str:
 
 
 def _train_policy(cfg, folder: Path, **kwargs) -> dict:
-    return train.launch(
+    return launcher.launch(
         "train-policy",
         cfg,
         prompts_uri=_prompts(folder, cfg),
@@ -59,10 +60,10 @@ def _train_policy(cfg, folder: Path, **kwargs) -> dict:
 
 def kill_after_checkpoint(args: list[str], step: int, env: dict[str, str] | None = None) -> None:
     """A training launch SIGKILLed (with its whole process group) once the trainer checkpoint of `step`
-    is stored: the trainer stalls there (train.STALL_ENV) until the kill."""
-    env = {**os.environ, **(env or {}), train.STALL_ENV: str(step)}
+    is stored: the trainer stalls there (checkpoints.STALL_ENV) until the kill."""
+    env = {**os.environ, **(env or {}), checkpoints.STALL_ENV: str(step)}
     proc = subprocess.Popen(
-        train.launch_command(1, args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        launcher.launch_command(1, args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + 600
@@ -131,7 +132,7 @@ def test_prompts_with_and_without_reference_and_meta_train(tmp_path):
     rows[1]["reference"] = rows[2]["meta"] = rows[3]["reference"] = rows[3]["meta"] = None
     uri = str(tmp_path / "mixed.parquet")
     write_artifact(uri, "prompts", rows)
-    train.launch(
+    launcher.launch(
         "train-policy", cfg, prompts_uri=uri, policy="tiny-random", generator="tiny-random",
         out_uri=str(tmp_path / "policy"), steps_uri=str(tmp_path / "steps"), round_idx=1,
     )  # fmt: skip
@@ -186,7 +187,7 @@ def test_evaluator_step_follows_the_mixed_advantage(tmp_path):
     log-probability; constrained decoding makes every rubric not cut by the token limit parse."""
     cfg = _cfg(aggregate={"soft": True}, train_evaluator={"prompts_per_step": 4, "micro_batch_size": 4})
     cand, ranked = _candidate_sets(tmp_path, cfg)
-    final = train.launch(
+    final = launcher.launch(
         "train-evaluator",
         cfg,
         candidates=[cand],
@@ -257,7 +258,7 @@ def test_sigkill_mid_run_then_rerun_equals_uninterrupted(tmp_path):
     assert store.is_complete(str(folder / "policy.work" / "checkpoint-00002"))
     assert not store.is_complete(str(folder / "policy"))
 
-    train.launch(
+    launcher.launch(
         "train-policy",
         cfg,
         prompts_uri=str(folder / "prompts.parquet"),
@@ -286,13 +287,13 @@ def test_lora_checkpoint_is_merged_and_loads_plainly(tmp_path):
 def test_a_misconfigured_run_fails_before_training(tmp_path):
     cfg = _cfg(train_policy={"prompts_per_step": 3, "micro_batch_size": 8})
     with pytest.raises(ValueError, match="must split evenly"):
-        train._check_batch("train-policy", cfg.train_policy, cfg.rollout.k, pool=3)
+        data.check_batch("train-policy", cfg.train_policy, cfg.rollout.k, pool=3)
     with pytest.raises(ValueError, match="the pool holds only 1 prompt"):
-        train._check_batch("train-policy", _cfg().train_policy, cfg.rollout.k, pool=1)
+        data.check_batch("train-policy", _cfg().train_policy, cfg.rollout.k, pool=1)
     # one process started for a config that asks for two: refused before any model is loaded
     cfg = _cfg(train_policy={"world_size": 2})
     with pytest.raises(ValueError, match="world_size is 2 in the config but 1 process"):
-        train.train_policy(
+        grpo.train_policy(
             cfg, prompts_uri=_prompts(tmp_path, cfg), policy="tiny-random", out_uri=str(tmp_path / "p"),
             steps_uri=str(tmp_path / "s"),
         )  # fmt: skip
@@ -303,7 +304,7 @@ def test_paper_preset_launches_one_process_per_gpu():
     """One process per training GPU: the task's other reward_gpus serve the reward's models."""
     cfg = load_config(preset="paper")
     tcfg = cfg.train_policy
-    cmd = train.launch_command(tcfg.world_size, ["train-policy"])
+    cmd = launcher.launch_command(tcfg.world_size, ["train-policy"])
     assert cmd[cmd.index("--num_processes") + 1] == "6"
     assert cfg.pipeline.resources["train_policy"].gpus == tcfg.world_size + tcfg.reward_gpus == 6 + 2
     from dynamicrubric.config import ConfigError
@@ -352,7 +353,7 @@ def test_online_trainers_on_vllm(tmp_path):
     assert store.is_complete(str(tmp_path / "policy-run" / "policy")) and "reward_mean" in final
     assert final["judge/calls_ok"] > 0 and final["rewards/failed_groups"] == 0
     cand, ranked = _candidate_sets(tmp_path, cfg)
-    final = train.launch(
+    final = launcher.launch(
         "train-evaluator", cfg, candidates=[cand], anchors=[ranked], generator="tiny-random",
         out_uri=str(tmp_path / "generator"), steps_uri=str(tmp_path / "steps"), round_idx=1,
     )  # fmt: skip
@@ -381,8 +382,8 @@ def test_smaller_lm_head_tiles_change_no_number(monkeypatch):
         return logps.detach(), entropy.detach(), h.grad
 
     before = run()
-    train.bound_lm_head_tiles()
-    assert chunked_logprob.TOKEN_CHUNK_SIZE == train.CPU_LM_HEAD_TILE_TOKENS < tokens
+    launcher.bound_lm_head_tiles()
+    assert chunked_logprob.TOKEN_CHUNK_SIZE == launcher.CPU_LM_HEAD_TILE_TOKENS < tokens
     after = run()
     for a, b in zip(before, after, strict=True):
         assert torch.equal(a, b)

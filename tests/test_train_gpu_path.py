@@ -22,19 +22,20 @@ import torch
 from safetensors.torch import load_file
 from test_train import _cfg, _prompts, _train_policy, kill_after_checkpoint
 
-from dynamicrubric import store, train
+from dynamicrubric import store
 from dynamicrubric.models import cache_dir, resolve_model
+from dynamicrubric.training import checkpoints, launcher, monitoring
 
 
 def test_launch_command_has_cpu_only_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """launch_command is a pure function of what torch.cuda reports: in-process patch of is_available."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert "--cpu" in train.launch_command(1, ["train-policy"])
+    assert "--cpu" in launcher.launch_command(1, ["train-policy"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    one_gpu = train.launch_command(1, ["train-policy"])
+    one_gpu = launcher.launch_command(1, ["train-policy"])
     assert "--cpu" not in one_gpu and "--multi_gpu" not in one_gpu and "--config_file" not in one_gpu
-    several = train.launch_command(8, ["train-policy"])
-    assert "--cpu" not in several and str(train.accelerate_config(8)) in several
+    several = launcher.launch_command(8, ["train-policy"])
+    assert "--cpu" not in several and str(launcher.accelerate_config(8)) in several
 
 
 def test_cpu_training_processes_return_their_large_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -44,22 +45,24 @@ def test_cpu_training_processes_return_their_large_blocks(monkeypatch: pytest.Mo
 
     tcfg = load_config(preset="tiny").train_policy  # torch_threads: 1
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    env = train.training_env(tcfg, {"PATH": "/bin"})
+    env = launcher.training_env(tcfg, {"PATH": "/bin"})
     assert env == {"PATH": "/bin", "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(4 << 20)}
-    assert train.training_env(tcfg, {"MALLOC_MMAP_THRESHOLD_": "65536"})["MALLOC_MMAP_THRESHOLD_"] == "65536"
+    assert (
+        launcher.training_env(tcfg, {"MALLOC_MMAP_THRESHOLD_": "65536"})["MALLOC_MMAP_THRESHOLD_"] == "65536"
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert "MALLOC_MMAP_THRESHOLD_" not in train.training_env(tcfg, {})
+    assert "MALLOC_MMAP_THRESHOLD_" not in launcher.training_env(tcfg, {})
 
 
 def test_a_model_on_the_wrong_device_is_refused() -> None:
     model = torch.nn.Linear(2, 2)
-    train.check_device("train-policy", model, torch.device("cpu"))  # where it is: accepted
+    monitoring.check_device("train-policy", model, torch.device("cpu"))  # where it is: accepted
     with pytest.raises(
         RuntimeError, match=r"^train-policy: the model's parameters are on cpu, not on cuda:0"
     ):
-        train.check_device("train-policy", model, torch.device("cuda", 0))
+        monitoring.check_device("train-policy", model, torch.device("cuda", 0))
     with pytest.raises(RuntimeError, match="are on meta, not on cpu"):
-        train.check_device("train-policy", model.to("meta"), torch.device("cpu"))
+        monitoring.check_device("train-policy", model.to("meta"), torch.device("cpu"))
 
 
 # Each process imports everything, says it is ready, and resolves only once the test says go, so that
@@ -142,44 +145,46 @@ def test_two_processes_gather_the_final_weights_on_every_rank(tmp_path: Path, ca
 def test_a_pod_paths_trainer_checkpoints_go_to_the_object_store() -> None:
     """On a cluster out_uri is the pod's mount /s3/b/k, which is uploaded only when the task succeeds:
     the resumable checkpoints must go to s3://b/k.work itself, with the scratch in the local cache."""
-    assert train._work_uri("/s3/bucket/runs/r1/policy") == "s3://bucket/runs/r1/policy.work"
-    assert train._work_uri("/minio/bucket/policy/") == "s3://bucket/policy.work"
-    assert train._work_uri("s3://bucket/policy") == "s3://bucket/policy.work"
-    assert train._work_uri("/tmp/run/policy") == "/tmp/run/policy.work"  # a local run keeps it beside
-    scratch = train._scratch("/s3/bucket/runs/r1/policy")
+    assert checkpoints.work_prefix("/s3/bucket/runs/r1/policy") == "s3://bucket/runs/r1/policy.work"
+    assert checkpoints.work_prefix("/minio/bucket/policy/") == "s3://bucket/policy.work"
+    assert checkpoints.work_prefix("s3://bucket/policy") == "s3://bucket/policy.work"
+    assert checkpoints.work_prefix("/tmp/run/policy") == "/tmp/run/policy.work"  # a local run keeps it beside
+    scratch = checkpoints.scratch_folder("/s3/bucket/runs/r1/policy")
     assert scratch.is_relative_to(cache_dir() / "train-work")
-    assert scratch == train._scratch("s3://bucket/runs/r1/policy")  # the same store folder, one scratch
+    assert scratch == checkpoints.scratch_folder(
+        "s3://bucket/runs/r1/policy"
+    )  # the same store folder, one scratch
 
 
 def test_a_resume_for_another_run_or_with_no_steps_left_is_refused(s3_env: str, tmp_path: Path) -> None:
     cfg = _cfg(train_policy={"steps": 4})
     work = f"s3://{s3_env}/policy.work"
-    origin = train.checkpoint_origin("tiny-random", cfg.train_policy)
+    origin = checkpoints.checkpoint_origin("tiny-random", cfg.train_policy)
     folder = tmp_path / "checkpoint-00002"
     folder.mkdir()
     (folder / "trainer_state.json").write_text("{}")
     store.upload_dir(folder, f"{work}/checkpoint-00001")  # an older one records nothing: never looked at
-    (folder / train.RESUME_INFO).write_text(json.dumps(origin))
+    (folder / checkpoints.RESUME_INFO).write_text(json.dumps(origin))
     store.upload_dir(folder, f"{work}/checkpoint-00002")
-    assert train._resume_point("train-policy", work, origin, 4) == f"{work}/checkpoint-00002"
+    assert checkpoints.resume_point("train-policy", work, origin, 4) == f"{work}/checkpoint-00002"
     # raising steps continues the run: steps is not part of the digest
     longer = _cfg(train_policy={"steps": 8}).train_policy
-    assert train.checkpoint_origin("tiny-random", longer) == origin
+    assert checkpoints.checkpoint_origin("tiny-random", longer) == origin
 
     def refused(origin: dict, steps: int) -> str:
         with pytest.raises(ValueError) as e:
-            train._resume_point("train-policy", work, origin, steps)
+            checkpoints.resume_point("train-policy", work, origin, steps)
         assert "\n" not in str(e.value) and f"delete {work} to start over" in str(e.value)
         return str(e.value)
 
     assert "at step 2 and the config asks for steps=2: resuming would train no more steps" in refused(
         origin, 2
     )
-    other_model = train.checkpoint_origin(str(resolve_model("tiny-random")), cfg.train_policy)
+    other_model = checkpoints.checkpoint_origin(str(resolve_model("tiny-random")), cfg.train_policy)
     assert "was written for model 'tiny-random'" in refused(other_model, 4)
     other_config = _cfg(train_policy={"steps": 4, "learning_rate": 1e-4}).train_policy
-    assert "with train config" in refused(train.checkpoint_origin("tiny-random", other_config), 4)
-    (folder / train.RESUME_INFO).unlink()
+    assert "with train config" in refused(checkpoints.checkpoint_origin("tiny-random", other_config), 4)
+    (folder / checkpoints.RESUME_INFO).unlink()
     store.upload_dir(folder, f"{work}/checkpoint-00003")
     assert "does not record the model and config" in refused(origin, 4)
 
@@ -212,7 +217,7 @@ def test_a_killed_task_resumes_in_a_fresh_scratch_from_its_s3_work_prefix(
 
     monkeypatch.setenv("DYNRUBRIC_CACHE", str(tmp_path / "second-pod-cache"))
     capfd.readouterr()
-    train.launch(
+    launcher.launch(
         "train-policy", cfg, prompts_uri=str(folder / "prompts.parquet"), policy="tiny-random",
         generator="tiny-random", out_uri=out_uri, steps_uri=str(folder / "steps"), round_idx=1,
     )  # fmt: skip

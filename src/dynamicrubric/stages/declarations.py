@@ -324,10 +324,10 @@ def train_evaluator(
     out_steps,
     out_metrics,
 ):
-    """Online GRPO on the generator over P_{t−1}'s candidate sets (see dynamicrubric.train)."""
-    from dynamicrubric import train
+    """Online GRPO on the generator over P_{t−1}'s candidate sets (see dynamicrubric.training)."""
+    from dynamicrubric.training.launcher import launch
 
-    return train.launch(
+    return launch(
         "train-evaluator",
         cfg,
         candidates=list(candidate_sets),
@@ -366,10 +366,10 @@ TRAIN_EVALUATOR = Stage(
 def train_policy(
     cfg: Config, round_idx: int, *, policy, generator, verifier, prompts, out_policy, out_steps, out_metrics
 ):
-    """Online GRPO on the policy, rewarded by the round's evaluator (see dynamicrubric.train)."""
-    from dynamicrubric import train
+    """Online GRPO on the policy, rewarded by the round's evaluator (see dynamicrubric.training)."""
+    from dynamicrubric.training.launcher import launch
 
-    return train.launch(
+    return launch(
         "train-policy",
         cfg,
         prompts_uri=prompts,

@@ -1,0 +1,84 @@
+"""TRL's `GRPOConfig` for a training stage: the one place where this project's config meets TRL's
+names (`steps` is TRL's max_steps, `micro_batch_size` its per_device_train_batch_size, `clip_eps` its
+epsilon).
+
+The generator's two rewards, R_disc and R_anchor, are mixed at the advantage level with weights
+[1, λ]: TRL's `normalize_then_sum` normalises each reward within its group, (r − mean)/(std + 1e-4),
+sums them with the weights (a set without an anchor ranking contributes 0 for R_anchor), and then
+divides the sum by its standard deviation over the whole batch. The paper stops after the sum. The
+extra division multiplies every advantage of the batch by one positive number: it changes no
+advantage's sign or relative size within the batch, only the step's scale (which Adam largely
+normalises away), so we accept TRL's mix rather than fork its advantage code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dynamicrubric.config import Config, TrainConfig
+
+
+def grpo_arguments(
+    cfg: Config,
+    tcfg: TrainConfig,
+    *,
+    output_dir: str,
+    accumulation: int,
+    num_generations: int,
+    sampling: tuple[float, float, int],
+    reward_weights: list[float] | None,
+    bf16: bool,
+    constrain_items: int | None,
+    enable_thinking: bool | None,
+) -> Any:
+    """The stage's GRPOConfig: TRL's vLLM colocate mode where the engine is vLLM (it shares the GPU with
+    training), the rubric grammar there when the generator's rubrics are constrained."""
+    from trl import GRPOConfig
+
+    cuda = torch.cuda.is_available()
+    vllm = cfg.engine.engine == "vllm"
+    temperature, top_p, max_new_tokens = sampling
+    generation_kwargs = None
+    if vllm and constrain_items:
+        from dynamicrubric.constrained import rubric_grammar
+
+        generation_kwargs = {"structured_outputs": {"grammar": rubric_grammar(constrain_items)}}
+    return GRPOConfig(
+        output_dir=output_dir,
+        max_steps=tcfg.steps,
+        per_device_train_batch_size=tcfg.micro_batch_size,
+        gradient_accumulation_steps=accumulation,
+        num_generations=num_generations,
+        max_completion_length=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        learning_rate=tcfg.learning_rate,
+        lr_scheduler_type="constant",  # online RL: every step's samples are new, no schedule to anneal
+        beta=tcfg.beta,
+        epsilon=tcfg.clip_eps,
+        loss_type=tcfg.loss_type,
+        scale_rewards=tcfg.scale_rewards,
+        multi_objective_aggregation="normalize_then_sum" if reward_weights else "sum_then_normalize",
+        reward_weights=reward_weights,
+        max_grad_norm=tcfg.max_grad_norm,
+        seed=tcfg.seed,
+        bf16=bf16,
+        gradient_checkpointing=tcfg.gradient_checkpointing,
+        use_cpu=not cuda,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=tcfg.save_steps,
+        remove_unused_columns=False,
+        log_completions=False,
+        use_vllm=vllm,
+        vllm_mode="colocate",
+        vllm_enable_sleep_mode=vllm,
+        vllm_gpu_memory_utilization=tcfg.vllm_gpu_memory_utilization,  # it shares the GPU with training
+        vllm_max_model_length=cfg.engine.max_model_len,
+        generation_kwargs=generation_kwargs,
+        # the same template the standalone stages render (rollout.policy_prompt, the rubrics stage)
+        chat_template_kwargs=None if enable_thinking is None else {"enable_thinking": enable_thinking},
+    )

@@ -1,0 +1,243 @@
+"""Trainer checkpoints.
+
+Checkpoints and resume. TRL saves a trainer checkpoint every `save_steps` steps in a local scratch
+folder; a callback uploads it to `<out>.work/checkpoint-NNNNN` in the store (`_COMPLETE` last; for a
+pod path /s3/b/k that is s3://b/k.work, since the pod's mount is uploaded only when the task succeeds)
+with the starting model and a digest of the train config beside it, so a retried pod on another node
+resumes from the newest complete one and ends with the same weights as an uninterrupted run; a
+checkpoint of another model or config, or one with no steps left to train, is refused. The result is a
+Hugging Face folder (LoRA merged, plus a summary JSON) written to `out_uri` with `store.upload_dir`:
+every rank takes part in gathering the weights (a collective under FSDP), rank 0 writes them. A stage
+whose output is complete does nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dynamicrubric import store
+from dynamicrubric.artifacts import write_artifact
+from dynamicrubric.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+SUMMARY_FILE = "dynamicrubric_train.json"
+
+
+RESUME_INFO = "dynamicrubric_resume.json"  # beside each stored trainer checkpoint: the run that wrote it
+
+
+# Test hook: with DYNRUBRIC_TEST_STALL_AFTER_STEP=k the process prints "stalled after step k" and sleeps
+# once the step-k trainer checkpoint is in the store, so a test can kill it provably mid-run.
+STALL_ENV = "DYNRUBRIC_TEST_STALL_AFTER_STEP"
+
+
+def work_prefix(out_uri: str) -> str:
+    """Where the resumable trainer checkpoints go: `<out>.work`, in the object store itself when
+    `out_uri` is a pod's path to it (/s3/b/k is s3://b/k). The pod path is pod-local and uploaded only
+    when the task succeeds, so a retried pod would never see checkpoints written there."""
+    from dynamicrubric.tracking import POD_PREFIXES, artifact_uri
+
+    base = out_uri.rstrip("/")
+    if base.startswith(tuple(POD_PREFIXES)) and store.is_s3(artifact_uri(base)):
+        base = artifact_uri(base)
+    return base + ".work"
+
+
+def scratch_folder(out_uri: str) -> Path:
+    """Local folder for TRL's output_dir: beside a local output, in the cache when the trainer
+    checkpoints go to the object store (the cache is node-local scratch; a retried pod gets a new one)."""
+    work_uri = work_prefix(out_uri)
+    if store.is_s3(work_uri):
+        from dynamicrubric.models import cache_dir
+
+        return cache_dir() / "train-work" / hashlib.sha256(work_uri.encode()).hexdigest()[:16]
+    return store.local_path(work_uri) / "scratch"
+
+
+def checkpoint_origin(model_ref: str, tcfg: TrainConfig) -> dict[str, str]:
+    """What a stored trainer checkpoint records about the run that wrote it, compared on resume: the
+    starting model, and a digest of the train config without `steps` (raising steps continues a run;
+    the zero-steps check covers lowering it)."""
+    from dynamicrubric.models import model_reference
+
+    config = tcfg.model_dump(mode="json")
+    config.pop("steps")
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+    return {"model_ref": model_reference(model_ref), "config_digest": digest}
+
+
+def stored_checkpoints(work_uri: str) -> list[str]:
+    names = {
+        rel.split("/")[0]
+        for rel in (
+            f.removeprefix(work_uri.rstrip("/") + "/")
+            for f in store.list_files(work_uri)
+            if not f.endswith("/scratch") and "/scratch/" not in f
+        )
+        if rel.startswith("checkpoint-")
+    }
+    return sorted(n for n in names if store.is_complete(store.join(work_uri, n)))
+
+
+def resume_point(stage: str, work_uri: str, origin: dict, steps: int) -> str | None:
+    """The newest complete stored checkpoint, once checked that it belongs to this run (same model and
+    train config) and leaves steps to train; None when there is none."""
+    done = stored_checkpoints(work_uri)
+    if not done:
+        return None
+    name = done[-1]
+    uri = store.join(work_uri, name)
+    try:
+        recorded = json.loads(store.read_bytes(store.folder_file(uri, RESUME_INFO)))
+    except store.StoreError:
+        raise ValueError(
+            f"{stage}: the trainer checkpoint {uri} does not record the model and config it was trained "
+            f"with, so it cannot be resumed safely: delete {work_uri} to start over"
+        ) from None
+    if recorded != origin:
+        raise ValueError(
+            f"{stage}: the trainer checkpoint {uri} was written for model {recorded.get('model_ref')!r} with "
+            f"train config {recorded.get('config_digest')}, not for this run's model {origin['model_ref']!r} "
+            f"with train config {origin['config_digest']}: delete {work_uri} to start over"
+        )
+    step = int(name.removeprefix("checkpoint-"))
+    if step >= steps:
+        raise ValueError(
+            f"{stage}: the trainer checkpoint {uri} is at step {step} and the config asks for steps={steps}: "
+            f"resuming would train no more steps; raise steps, or delete {work_uri} to start over"
+        )
+    return uri
+
+
+def fetch_checkpoint(uri: str, scratch: Path) -> str:
+    """A stored trainer checkpoint in the scratch folder (a local one is read where it is)."""
+    local = scratch / uri.rstrip("/").rsplit("/", 1)[-1]
+    marker = local / store.COMPLETE_MARKER
+    stored = store.read_manifest(uri)
+    # Every process of a node resumes from one copy: the first downloads it, the others find it here.
+    if not (marker.is_file() and stored and json.loads(marker.read_text()).get("token") == stored["token"]):
+        shutil.rmtree(local, ignore_errors=True)
+        log.info("resuming from %s", uri)
+        local = store.download_dir(uri, local)
+    return str(local)
+
+
+def checkpoint_callback(work_uri: str, origin: dict):
+    from transformers import TrainerCallback
+
+    class UploadCheckpoints(TrainerCallback):
+        """Copy each trainer checkpoint to the store (complete or absent), with the run's origin
+        beside it for the resume check, then drop older ones."""
+
+        def on_save(self, args, state, control, **kwargs):
+            if not state.is_world_process_zero:
+                return
+            local = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            (local / RESUME_INFO).write_text(json.dumps(origin, indent=1))
+            name = f"checkpoint-{state.global_step:05d}"
+            store.upload_dir(local, store.join(work_uri, name))
+            for old in stored_checkpoints(work_uri):
+                if old != name:
+                    store.delete_dir(store.join(work_uri, old))
+            shutil.rmtree(local, ignore_errors=True)
+            if os.environ.get(STALL_ENV) == str(state.global_step):
+                print(f"stalled after step {state.global_step}", flush=True)
+                while True:
+                    time.sleep(3600)
+
+    return UploadCheckpoints()
+
+
+def already_done(out_uri: str, metrics_uri: str | None) -> dict:
+    log.info("%s: checkpoint already complete; nothing to do", out_uri)
+    try:  # through the folder's manifest: on S3 its files live under the writer's version
+        summary_uri = store.folder_file(out_uri, SUMMARY_FILE)
+    except store.StoreError:  # a checkpoint written by something else: nothing recorded
+        return {}
+    summary = json.loads(store.read_bytes(summary_uri))
+    if metrics_uri and not store.exists(metrics_uri):
+        write_artifact(metrics_uri, "metrics", summary["metrics_rows"])
+    return summary["final"]
+
+
+def lora_config(tcfg: TrainConfig):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=tcfg.lora_rank,
+        lora_alpha=tcfg.lora_alpha,
+        lora_dropout=0.0,
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
+    )
+
+
+def saved_dtype(path: Path) -> torch.dtype:
+    """The dtype the starting checkpoint was stored in; the trained one is saved the same way."""
+    config = json.loads((path / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def gather_weights(trainer) -> dict[str, torch.Tensor]:
+    """The trained model's full state dict; every rank must call this. Under FSDP2 it is a collective
+    (each rank sends its shards, rank 0 receives the whole model, the others get nothing), so a call on
+    rank 0 alone waits forever for ranks that already wait at the end-of-training barrier.
+
+    accelerate runs FSDP only on accelerators (its FSDP type is set for MULTI_GPU/XPU/NPU/..., never
+    MULTI_CPU), so the CPU tests cannot shard; they check instead that this runs on every rank, by the
+    line it logs."""
+    state_dict = trainer.accelerator.get_state_dict(trainer.model)
+    log.info(
+        "rank %d: gathered the trained weights (%d tensors here)",
+        trainer.accelerator.process_index,
+        len(state_dict),
+    )
+    return state_dict
+
+
+def write_checkpoint(
+    weights, path, tcfg, tokenizer, out_uri, stage, round_idx, model_ref, final, rows
+) -> None:
+    """A plain HF folder: the trained model (LoRA merged in) in the starting dtype, and a summary.
+
+    Rank 0 alone, so nothing here may be a collective: the gathered weights are loaded into a fresh
+    copy of the starting model on the CPU (never the sharded module, whose merge or dtype change would
+    need the other ranks), and LoRA is merged there."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=saved_dtype(path))
+    if tcfg.lora_rank:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora_config(tcfg))
+    model.load_state_dict(weights)  # strict: a key the trainer's model had and this one lacks is an error
+    if tcfg.lora_rank:
+        model = model.merge_and_unload()
+    with tempfile.TemporaryDirectory(dir=scratch_folder(out_uri).parent) as tmp:
+        folder = Path(tmp) / "export"
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        summary = {
+            "stage": stage,
+            "round": round_idx,
+            "model_ref": model_ref,
+            "config": tcfg.model_dump(mode="json"),
+            "final": final,
+            "metrics_rows": rows,
+        }
+        (folder / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
+        store.upload_dir(folder, out_uri)  # _COMPLETE last
+    log.info("%s: wrote checkpoint %s", stage, out_uri)

@@ -1,0 +1,250 @@
+"""The two training stages: online GRPO with TRL's `GRPOTrainer`, DynamicRubric as the reward.
+
+Each stage is ordinary on-policy GRPO: at every step the model samples fresh completions for
+`prompts_per_step` prompts, the reward functions of `dynamicrubric.rewards` score them, and the
+model is updated. The rounds only order the two trainers (G_t first, then P_t).
+
+- train-policy: the policy answers prompts drawn from the configured pool, K = rollout.k completions
+  each; the reward is the round's evaluator (G_t's rubrics judged by V, the static rubric, the
+  pointwise judge, or the task's checker: `judge.variant: verifiable`). Advantages are normalised
+  within each prompt's group (`scale_rewards: group`).
+- train-evaluator: the generator writes G = rubrics.train_samples rubric samples for a candidate set
+  (a prompt and P_{t−1}'s K responses; one dataset row per set), decoded under the rubric's JSON
+  schema. Two rewards, R_disc and R_anchor, are mixed at the advantage level with weights [1, λ]
+  (TRL's `normalize_then_sum`; arguments.py says how it differs from the paper's mix).
+
+Reference and loss. β (default 0.01) is a k3 KL penalty to the model the stage started from, i.e. the
+previous round's checkpoint (P_{t−1} for P_t, G_{t−1} for G_t): each round regularises towards its
+own starting point, not the base model. With LoRA the reference is the same model with the adapter
+disabled, so no second copy is kept. `loss_type: dapo` (TRL's default) averages the clipped
+policy-gradient loss over all completion tokens of the step: no per-sequence length bias (GRPO's
+1/|o|), and no dependence on max_completion_length (Dr. GRPO's constant).
+
+The rest of training lives beside this module: its inputs (data.py), its checkpoints and resume
+(checkpoints.py), what each step reports (monitoring.py), and how the processes start (launcher.py,
+process.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import shutil
+import time
+from collections.abc import Callable
+
+import torch
+
+from dynamicrubric import store
+from dynamicrubric.artifacts import read_frames, write_artifact
+from dynamicrubric.config import Config, TrainConfig, policy_variant
+from dynamicrubric.models import resolve_model
+from dynamicrubric.training.arguments import grpo_arguments
+from dynamicrubric.training.checkpoints import (
+    already_done,
+    checkpoint_callback,
+    checkpoint_origin,
+    fetch_checkpoint,
+    gather_weights,
+    lora_config,
+    resume_point,
+    scratch_folder,
+    work_prefix,
+    write_checkpoint,
+)
+from dynamicrubric.training.data import check_batch, evaluator_dataset, policy_dataset
+from dynamicrubric.training.launcher import bound_lm_head_tiles
+from dynamicrubric.training.monitoring import (
+    TimedGenerate,
+    device_check_callback,
+    final_values,
+    metric_rows,
+    step_split_callback,
+)
+
+
+def train_policy(
+    cfg: Config,
+    *,
+    prompts_uri: str,
+    policy: str,
+    out_uri: str,
+    steps_uri: str,
+    metrics_uri: str | None = None,
+    generator: str = "",
+    verifier: str = "",
+    round_idx: int = 0,
+) -> dict:
+    """Online GRPO on the policy; writes a checkpoint folder to `out_uri`; returns the final metrics."""
+    from dynamicrubric.rewards import PolicyReward
+
+    if store.is_complete(out_uri):
+        return already_done(out_uri, metrics_uri)
+    dataset = policy_dataset(prompts_uri)
+    reward = PolicyReward(
+        cfg,
+        steps_uri=steps_uri,
+        round_idx=round_idx,
+        generator=generator,
+        verifier=verifier,
+        policy=policy,
+    )
+    return _grpo(
+        "train-policy",
+        cfg,
+        cfg.train_policy,
+        model_ref=policy,
+        dataset=dataset,
+        reward_funcs=[reward],
+        release_models=reward.release_models,
+        reward_weights=None,
+        num_generations=cfg.rollout.k,
+        sampling=(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens),
+        out_uri=out_uri,
+        metrics_uri=metrics_uri,
+        round_idx=round_idx,
+        variant=policy_variant(cfg),
+        enable_thinking=cfg.models.enable_thinking.policy,
+    )
+
+
+def train_evaluator(
+    cfg: Config,
+    *,
+    candidates: list[str],
+    anchors: list[str],
+    generator: str,
+    out_uri: str,
+    steps_uri: str,
+    metrics_uri: str | None = None,
+    verifier: str = "",
+    round_idx: int = 0,
+) -> dict:
+    """Online GRPO on the generator over P_{t−1}'s candidate sets; writes a checkpoint to `out_uri`."""
+    from dynamicrubric.rewards import GeneratorRewards
+
+    if store.is_complete(out_uri):
+        return already_done(out_uri, metrics_uri)
+    dataset = evaluator_dataset(
+        cfg, read_frames(candidates, "rollouts"), read_frames(anchors, "anchors"), round_idx
+    )
+    rewards = GeneratorRewards(
+        cfg, steps_uri=steps_uri, round_idx=round_idx, generator=generator, verifier=verifier
+    )
+    tcfg = cfg.train_evaluator
+    return _grpo(
+        "train-evaluator",
+        cfg,
+        tcfg,
+        model_ref=generator,
+        dataset=dataset,
+        reward_funcs=rewards.functions,
+        release_models=rewards.release_models,
+        reward_weights=[1.0, tcfg.anchor_weight],
+        num_generations=cfg.rubrics.train_samples,
+        sampling=(cfg.rubrics.temperature, cfg.rubrics.top_p, cfg.rubrics.max_new_tokens),
+        out_uri=out_uri,
+        metrics_uri=metrics_uri,
+        round_idx=round_idx,
+        variant="dynamic",
+        constrain_items=cfg.rubrics.num_items if cfg.rubrics.constrained else None,
+        enable_thinking=cfg.models.enable_thinking.generator,
+    )
+
+
+def _grpo(
+    stage: str,
+    cfg: Config,
+    tcfg: TrainConfig,
+    *,
+    model_ref: str,
+    dataset: dict[str, list],
+    reward_funcs: list,
+    release_models: Callable[[], None],
+    reward_weights: list[float] | None,
+    num_generations: int,
+    sampling: tuple[float, float, int],
+    out_uri: str,
+    metrics_uri: str | None,
+    round_idx: int,
+    variant: str,
+    constrain_items: int | None = None,
+    enable_thinking: bool | None = None,
+) -> dict:
+    from accelerate import PartialState
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOTrainer
+
+    cuda = torch.cuda.is_available()
+    state = PartialState(cpu=not cuda)  # without CUDA: gloo processes (TRL's use_cpu joins this state)
+    if not cuda:
+        bound_lm_head_tiles()
+    if state.num_processes != tcfg.world_size:
+        raise ValueError(
+            f"{stage}: world_size is {tcfg.world_size} in the config but {state.num_processes} process(es) "
+            "are running; start it with `dynrubric`'s launcher (accelerate launch --num_processes N)"
+        )
+    if tcfg.torch_threads:
+        torch.set_num_threads(tcfg.torch_threads)
+    accumulation = check_batch(stage, tcfg, num_generations, len(dataset["prompt"]))
+    bf16 = cuda if tcfg.bf16 is None else tcfg.bf16
+    vllm = cfg.engine.engine == "vllm"
+    path = resolve_model(model_ref)
+    scratch = scratch_folder(out_uri)
+    scratch.mkdir(parents=True, exist_ok=True)
+    work_uri = work_prefix(out_uri)
+    origin = checkpoint_origin(model_ref, tcfg)
+    resume = resume_point(stage, work_uri, origin, tcfg.steps)  # every rank refuses a wrong one
+    if resume:
+        with state.local_main_process_first():  # one download per node: the others reuse it
+            resume = fetch_checkpoint(resume, scratch)
+    args = grpo_arguments(
+        cfg,
+        tcfg,
+        output_dir=str(scratch),
+        accumulation=accumulation,
+        num_generations=num_generations,
+        sampling=sampling,
+        reward_weights=reward_weights,
+        bf16=bf16,
+        constrain_items=constrain_items,
+        enable_thinking=enable_thinking,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if bf16 else torch.float32)
+    timer = TimedGenerate(
+        model.generate, tokenizer, None if vllm else constrain_items, model.config.vocab_size
+    )
+    model.generate = timer
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=args,
+        train_dataset=Dataset.from_dict(dataset),
+        processing_class=tokenizer,
+        peft_config=lora_config(tcfg) if tcfg.lora_rank else None,
+        callbacks=[
+            device_check_callback(stage),
+            checkpoint_callback(work_uri, origin),
+            step_split_callback(timer),
+        ],
+    )
+    started = time.perf_counter()
+    trainer.train(resume_from_checkpoint=resume)
+    rows = metric_rows(trainer.state.log_history, stage, round_idx, variant)
+    final = final_values(rows)
+    final["train_wall_s"] = time.perf_counter() - started
+    weights = gather_weights(trainer)  # on every rank: a collective under FSDP
+    # Training is over: the optimizer state, gradients, reference copy and reward models go before
+    # write_checkpoint loads a fresh copy beside `weights` (that moment set the default run's peak RSS).
+    del trainer, model, timer
+    release_models()
+    gc.collect()
+    if state.is_main_process:
+        if metrics_uri:
+            write_artifact(metrics_uri, "metrics", rows)
+        write_checkpoint(weights, path, tcfg, tokenizer, out_uri, stage, round_idx, model_ref, final, rows)
+        store.delete_dir(work_uri)  # the trainer checkpoints (and, locally, the scratch folder inside)
+        shutil.rmtree(scratch, ignore_errors=True)
+    state.wait_for_everyone()
+    return final

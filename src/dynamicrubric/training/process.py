@@ -1,0 +1,90 @@
+"""What `accelerate launch -m dynamicrubric.training.process` runs in every training process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from dynamicrubric import store
+from dynamicrubric.training.grpo import train_evaluator, train_policy
+
+STAGES = ("train-policy", "train-evaluator")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """What `accelerate launch -m dynamicrubric.training.process` runs in every process."""
+    from dynamicrubric.config import config_from_yaml
+
+    parser = argparse.ArgumentParser(
+        prog="python -m dynamicrubric.training.process", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("stage", choices=STAGES)
+    parser.add_argument("--config", required=True, help="the run's YAML config")
+    parser.add_argument("--result", default=None, help="write the final metrics here as JSON")
+    parser.add_argument("--out-uri", required=True, help="checkpoint folder URI")
+    parser.add_argument("--steps-uri", required=True, help="folder for the per-step artifacts")
+    parser.add_argument("--metrics-uri", default=None)
+    parser.add_argument("--round-idx", type=int, default=0)
+    parser.add_argument("--prompts-uri", help="train-policy: the prompt pool")
+    parser.add_argument("--policy", help="train-policy: the starting policy")
+    parser.add_argument("--generator", default="", help="the generator (G_t for the policy's reward)")
+    parser.add_argument("--verifier", default="")
+    parser.add_argument("--candidates", action="append", default=[], help="train-evaluator: candidate sets")
+    parser.add_argument("--anchors", action="append", default=[], help="train-evaluator: anchor lists")
+    a = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    cfg = config_from_yaml(Path(a.config).read_text())
+    common = {
+        "out_uri": a.out_uri,
+        "steps_uri": a.steps_uri,
+        "metrics_uri": a.metrics_uri,
+        "verifier": a.verifier,
+        "round_idx": a.round_idx,
+    }
+    try:
+        if a.stage == "train-policy":
+            final = train_policy(
+                cfg, prompts_uri=a.prompts_uri, policy=a.policy, generator=a.generator, **common
+            )
+        else:
+            final = train_evaluator(
+                cfg, candidates=a.candidates, anchors=a.anchors, generator=a.generator, **common
+            )
+    except Exception as e:
+        if a.result:  # for the launcher, which reports it as its own error
+            from dynamicrubric.artifacts import ArtifactError
+            from dynamicrubric.config import ConfigError
+            from dynamicrubric.engines import EngineError
+            from dynamicrubric.models import ModelError
+
+            user = isinstance(
+                e, ArtifactError | ConfigError | store.StoreError | EngineError | ModelError | ValueError
+            )
+            error = {"user": user, "type": type(e).__name__, "message": str(e)}
+            Path(a.result).with_suffix(".error").write_text(json.dumps(error))
+        raise
+    from accelerate import PartialState
+
+    state = PartialState()
+    if a.result and state.is_main_process:
+        Path(a.result).write_text(json.dumps(final))
+    # Every rank is past its last collective (_grpo ends on a barrier); a rank that exits with the
+    # process group still alive can abort in gloo's threads ("terminate called without an active
+    # exception", exit code -6) and fail a finished task.
+    state.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    # Everything this process wrote is closed. Its interpreter's teardown (a full garbage collection over
+    # torch, transformers and TRL, then triton's bindings printing leak warnings) would take seconds
+    # more of every training task for nothing.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
