@@ -35,9 +35,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
 LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 SOURCES = {
     **{
-        ".".join(p.relative_to(PACKAGE).with_suffix("").parts): p
+        # a package's __init__ is the package itself (engines), a module is folder.module (engines.base)
+        ".".join(p.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__"): p
         for p in PACKAGE.rglob("*.py")
-        if p.stem != "__init__"
+        if p.parent != PACKAGE or p.stem != "__init__"
     },
     **{
         f"{folder}.{p.stem}": p

@@ -1,0 +1,195 @@
+"""What every engine shares: the `Engine` interface, a generation's result, per-sample seeds, the
+yes/no label tokens and P(yes) arithmetic, progress bars and argument checks (see engines/__init__.py)."""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import gc
+import hashlib
+import logging
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Single-token spellings counted as a "yes" / "no" answer; those the tokenizer lacks are skipped.
+YES_SPELLINGS = ("yes", "Yes", "YES", " yes", " Yes", " YES")
+NO_SPELLINGS = ("no", "No", "NO", " no", " No", " NO")
+
+
+class EngineError(RuntimeError):
+    """Bad input to an engine, or a model/tokenizer the engine cannot use; the message says which."""
+
+
+@dataclass
+class Generation:
+    """The n samples for one prompt. `num_tokens` counts generated tokens, the stop token included."""
+
+    texts: list[str]
+    num_tokens: list[int]
+    finish_reasons: list[str]  # "stop" | "length"
+
+
+def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """A 63-bit seed for one sample's random stream, derived from (seed, prompt index, sample index)."""
+    digest = hashlib.sha256(f"{seed}:{prompt_index}:{sample_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def answer_token_ids(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """Token ids of the single-token spellings of yes and of no (errors if either set is empty)."""
+
+    def ids(spellings: tuple[str, ...]) -> list[int]:
+        out: list[int] = []
+        for s in spellings:
+            toks = tokenizer.encode(s, add_special_tokens=False)
+            if len(toks) == 1 and toks[0] not in out:
+                out.append(toks[0])
+        return out
+
+    yes, no = ids(YES_SPELLINGS), ids(NO_SPELLINGS)
+    if not yes or not no or set(yes) & set(no):
+        raise EngineError(
+            f"tokenizer has no usable single-token yes/no spellings (yes ids {yes}, no ids {no})"
+        )
+    return yes, no
+
+
+# Progress bars refresh at most this often when stderr is not a terminal (kfp.local and pod logs:
+# kfp.local reads task output in text mode, so each refresh becomes one log line).
+PROGRESS_INTERVAL_S = 5.0
+
+
+def progress_bar(total: int, desc: str, unit: str) -> Any:
+    """A tqdm bar on stderr with counts and a rate; kept when done, so the log shows the final rate."""
+    from tqdm.auto import tqdm
+
+    interactive = sys.stderr.isatty()
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        file=sys.stderr,
+        mininterval=0.5 if interactive else PROGRESS_INTERVAL_S,
+        disable=total == 0,
+        dynamic_ncols=interactive,
+    )
+
+
+def bar_or(bar: Any, total: int, desc: str) -> Any:
+    """The caller's bar (left open for the caller to close), or a new one closed on exit."""
+    if bar is None:
+        return progress_bar(total, desc, "judgment")
+    return contextlib.nullcontext(bar)
+
+
+def check_pairs(pairs: list[tuple[str, str]]) -> None:
+    for i, p in enumerate(pairs):
+        if not (isinstance(p, tuple | list) and len(p) == 2 and all(isinstance(s, str) for s in p)):
+            raise EngineError(
+                f"yes_probability: pair {i} must be a (prefix, suffix) pair of strings, got {p!r}"
+            )
+
+
+def check_sampling(n: int, temperature: float, top_p: float, max_new_tokens: int) -> None:
+    if n < 1:
+        raise EngineError(f"generate: n must be >= 1, got {n}")
+    if temperature < 0:
+        raise EngineError(f"generate: temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise EngineError(f"generate: top_p must be in (0, 1], got {top_p}")
+    if max_new_tokens < 1:
+        raise EngineError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
+class Engine(abc.ABC):
+    """What every backend offers. Prompts are raw strings, already templated with `chat_prompt`."""
+
+    model_ref: str
+    tokenizer: Any  # PreTrainedTokenizerBase
+
+    def chat_prompt(self, messages: list[dict], *, enable_thinking: bool | None = None) -> str:
+        """The model's chat template applied to `messages`, ending where the assistant's turn begins.
+
+        `enable_thinking` is passed to the template when not None (Qwen3-style templates read it;
+        templates that do not know it ignore it); None leaves the template's default."""
+        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise EngineError(
+                f"chat_prompt: expected a non-empty list of {{role, content}} dicts, got {messages!r}"
+            )
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise EngineError(f"chat_prompt: the tokenizer of {self.model_ref!r} has no chat template")
+        extra = {} if enable_thinking is None else {"enable_thinking": bool(enable_thinking)}
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **extra
+        )
+
+    @abc.abstractmethod
+    def generate(
+        self,
+        prompts: list[str],
+        n: int = 1,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 128,
+        seed: int = 0,
+        desc: str = "generate",
+        rubric_items: int | None = None,
+    ) -> list[Generation]:
+        """n samples per prompt; with `rubric_items=M` each sample is constrained to
+        `constrained.rubric_schema(M)` (only a sample cut by max_new_tokens can be incomplete)."""
+
+    def close(self) -> None:
+        """Free the model's memory (the engine is unusable afterwards). Idempotent."""
+        free_memory()
+
+    @abc.abstractmethod
+    def yes_probability(
+        self, pairs: list[tuple[str, str]], desc: str = "judge", *, bar: Any = None
+    ) -> list[float]:
+        """P(yes) / (P(yes) + P(no)) of the next token after prefix + suffix, per (prefix, suffix) pair;
+        NaN where it cannot be computed. `bar`: a progress bar to advance instead of opening one."""
+
+    @abc.abstractmethod
+    def logprobs(self, prompts: list[str], completions: list[str]) -> list[list[float]]: ...
+
+
+def free_memory() -> None:
+    """Collect the Python objects of a released model and give cached GPU blocks back to the driver."""
+    gc.collect()
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def pair_token_ids(tokenizer: Any, pairs: list[tuple[str, str]]) -> list[list[int]]:
+    """Each (prefix, suffix) pair as the token ids of prefix + suffix, encoded without special tokens.
+    The questions about one response come together: its prefix is encoded once (only the last kept)."""
+    out: list[list[int]] = []
+    prefix_ids: dict[str, list[int]] = {}
+    for k, (p, s) in enumerate(pairs):
+        if p not in prefix_ids:
+            prefix_ids = {p: tokenizer.encode(p, add_special_tokens=False)}
+        suffix = tokenizer.encode(s, add_special_tokens=False)
+        if not suffix:
+            raise EngineError(
+                f"yes_probability: pair {k} has an empty suffix (it must hold at least one token)"
+            )
+        out.append(prefix_ids[p] + suffix)
+    return out
+
+
+def logsumexp(values: list[float]) -> float:
+    if not values:
+        return -math.inf
+    top = max(values)
+    if top == -math.inf:
+        return top
+    return top + math.log(sum(math.exp(v - top) for v in values))
