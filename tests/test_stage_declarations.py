@@ -13,7 +13,8 @@ from dynamicrubric import cli, tracking
 from dynamicrubric.artifacts import read_frame, write_artifact
 from dynamicrubric.config import STAGE_FACTS, load_config
 from dynamicrubric.stages import kfp_source
-from dynamicrubric.stages.declarations import ROLLOUT, STAGES
+from dynamicrubric.stages.data_stages import ROLLOUT
+from dynamicrubric.stages.declarations import STAGES
 from dynamicrubric.stages.rerun import rerun
 from dynamicrubric.stages.runner import execute, start_tracking
 from dynamicrubric.stages.spec import Data, Param, Stage
