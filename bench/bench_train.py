@@ -198,8 +198,8 @@ def served_reward(args: argparse.Namespace, overrides: dict) -> int:
     import numpy as np
 
     from dynamicrubric.models import resolve_model
-    from dynamicrubric.rewards import PolicyReward
     from dynamicrubric.serving import reward_servers
+    from dynamicrubric.training.policy_reward import PolicyReward
 
     if not Path(args.vllm_python).exists():
         raise SystemExit(

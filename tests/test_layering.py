@@ -28,7 +28,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "io": ("artifacts", "tracking", "models"),
     "engines": ("engines", "serving", "sandbox"),
     "method": ("rollout", "rubrics", "judge", "aggregate", "tasks", "evaluate"),
-    "training": ("rewards", "training"),
+    "training": ("training",),
     "stages": ("stages",),
     "entry points": ("cli", "launch", "components", "pipelines"),
 }

@@ -9,8 +9,8 @@ import pytest
 from dynamicrubric import sandbox
 from dynamicrubric.config import load_config
 from dynamicrubric.engines import load_engine
-from dynamicrubric.rewards import PolicyReward
 from dynamicrubric.tasks import load_prompts
+from dynamicrubric.training.policy_reward import PolicyReward
 
 
 @pytest.fixture(scope="module")

@@ -122,7 +122,7 @@ def test_fsdp_trainer_checkpoints_are_sharded() -> None:
 SCORE_BY_GROUPS = """
 import json, sys
 from accelerate import PartialState
-from dynamicrubric.rewards import _score_by_groups
+from dynamicrubric.training.reward_common import score_by_groups as _score_by_groups
 state = PartialState(cpu=True)
 rank = state.process_index
 local = [{"group": 2 * rank + g, "row": 4 * rank + 2 * g + i} for g in range(2) for i in range(2)]  # 2 groups of 2

@@ -324,7 +324,7 @@ def test_a_broken_sandbox_leaves_code_unscored_not_wrong(arith, humaneval_eval, 
     canonical solution gets NaN, not 0, its list leaves it out, and the verifiable reward's judgment
     carries NaN, which sets the group aside (no reward) instead of teaching that correct code fails."""
     from dynamicrubric import sandbox
-    from dynamicrubric.rewards import _checker_judgments
+    from dynamicrubric.training.reward_common import checker_judgments as _checker_judgments
 
     monkeypatch.setattr(sandbox, "_base_python", lambda: "/nonexistent/python3")
     monkeypatch.setattr(sandbox, "_fallback_python", lambda user: "/nonexistent/python3")

@@ -28,8 +28,10 @@ from dynamicrubric.config import load_config
 from dynamicrubric.engines import HFEngine
 from dynamicrubric.judge import run_judge
 from dynamicrubric.models import resolve_model
-from dynamicrubric.rewards import GeneratorRewards, PolicyReward, RewardError
 from dynamicrubric.serving import VLLMServer, reward_servers
+from dynamicrubric.training.generator_rewards import GeneratorRewards
+from dynamicrubric.training.policy_reward import PolicyReward
+from dynamicrubric.training.reward_common import RewardError
 
 P_YES_TOL = 1e-3
 

@@ -1,7 +1,7 @@
 """The two training stages: online GRPO with TRL's `GRPOTrainer`, DynamicRubric as the reward.
 
 Each stage is ordinary on-policy GRPO: at every step the model samples fresh completions for
-`prompts_per_step` prompts, the reward functions of `dynamicrubric.rewards` score them, and the
+`prompts_per_step` prompts, the reward functions (policy_reward.py, generator_rewards.py) score them, and the
 model is updated. The rounds only order the two trainers (G_t first, then P_t).
 
 - train-policy: the policy answers prompts drawn from the configured pool, K = rollout.k completions
@@ -75,7 +75,7 @@ def train_policy(
     round_idx: int = 0,
 ) -> dict:
     """Online GRPO on the policy; writes a checkpoint folder to `out_uri`; returns the final metrics."""
-    from dynamicrubric.rewards import PolicyReward
+    from dynamicrubric.training.policy_reward import PolicyReward
 
     if store.is_complete(out_uri):
         return already_done(out_uri, metrics_uri)
@@ -120,7 +120,7 @@ def train_evaluator(
     round_idx: int = 0,
 ) -> dict:
     """Online GRPO on the generator over P_{t−1}'s candidate sets; writes a checkpoint to `out_uri`."""
-    from dynamicrubric.rewards import GeneratorRewards
+    from dynamicrubric.training.generator_rewards import GeneratorRewards
 
     if store.is_complete(out_uri):
         return already_done(out_uri, metrics_uri)

@@ -1,0 +1,245 @@
+"""`GeneratorRewards`: the generator's two rewards, R_disc and R_anchor, for TRL's GRPOTrainer (see
+training/policy_reward.py for how the reward functions work)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pandas as pd
+
+from dynamicrubric.artifacts import read_frame, write_artifact
+from dynamicrubric.config import Config
+from dynamicrubric.training.reward_common import (
+    Calls,
+    aggregate_step,
+    completion_text,
+    engine_cache,
+    finish_reason,
+    log_all,
+    prompt_group_ids,
+    score_by_groups,
+    served,
+    set_aside_failed,
+    step_dir,
+    step_uris,
+)
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------------
+# The generator's rewards
+
+
+class GeneratorRewards:
+    """R_disc and R_anchor of the generator's rubric samples, as two TRL reward functions.
+
+    TRL calls `r_disc` then `r_anchor` on the same batch; both come from one judging pass, so the
+    second call reuses the first's result (kept for the last batch only, keyed by its content).
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        steps_uri: str,
+        round_idx: int,
+        generator: str = "",
+        verifier: str = "",
+        engines: Callable[[str], Any] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.steps_uri = steps_uri
+        self.round_idx = round_idx
+        self.generator = generator or cfg.models.generator
+        self.verifier = verifier or cfg.models.verifier
+        self.g = cfg.rubrics.train_samples
+        self.max_tokens = cfg.rubrics.max_new_tokens
+        self._engines = engines or engine_cache(cfg)
+        self.served = served(cfg, ("verifier",))
+        self._last: tuple[Any, tuple[list, list]] | None = None
+
+        def r_disc(prompts, completions, completion_ids, **kwargs):
+            return self._rewards(completions, completion_ids, **kwargs)[0]
+
+        def r_anchor(prompts, completions, completion_ids, **kwargs):
+            return self._rewards(completions, completion_ids, **kwargs)[1]
+
+        self.functions = [r_disc, r_anchor]
+
+    def release_models(self) -> None:
+        """Drop the engines loaded so far (training is over; writing the checkpoint needs the memory)."""
+        self._engines = engine_cache(self.cfg)
+
+    def _rewards(
+        self,
+        completions: list,
+        completion_ids: list[list[int]],
+        *,
+        prompt_id: list[str],
+        generator_prompt: list[str],
+        set_prompt: list[str],
+        responses: list[list[str]],
+        sample_idx: list[list[int]],
+        anchor_ranks: list[list[int]],
+        trainer_state: Any = None,
+        log_metric: Callable | None = None,
+        **_: Any,
+    ) -> tuple[list[float], list[float | None]]:
+        step = int(trainer_state.global_step) + 1 if trainer_state is not None else 0
+        texts = [completion_text(c) for c in completions]
+        key = (step, tuple(prompt_id), tuple(texts))
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        rows = [
+            {
+                "prompt_id": pid,
+                "generator_prompt": gp,
+                "set_prompt": sp,
+                "responses": list(resp),
+                "sample_idx": list(idx),
+                "anchor_ranks": list(ranks),
+                "completion": text,
+                "finish_reason": finish_reason(ids, self.max_tokens),
+            }
+            for pid, gp, sp, resp, idx, ranks, text, ids in zip(
+                prompt_id,
+                generator_prompt,
+                set_prompt,
+                responses,
+                sample_idx,
+                anchor_ranks,
+                texts,
+                completion_ids,
+                strict=True,
+            )
+        ]
+        values, metrics = score_by_groups(
+            rows, self.g, lambda r, rank, world: self.score(r, step, rank, world), self.served
+        )
+        log_all(log_metric, metrics)
+        result = ([v[0] for v in values], [v[1] for v in values])
+        self._last = (key, result)
+        return result
+
+    def score(self, rows: list[dict], step: int, rank: int = 0, world: int = 1) -> tuple[list, dict]:
+        """(r_disc, r_anchor) for whole groups of G rubric samples; writes the step's artifacts."""
+        if not rows:
+            return [], {}
+        from dynamicrubric.judge import run_judge
+        from dynamicrubric.rubrics import TRUNCATED, rubric_rows
+
+        started = time.perf_counter()
+        cfg, g = self.cfg, self.g
+        folder = step_dir(self.steps_uri, step, rank, world)
+        uri = step_uris(folder)
+        set_ids = prompt_group_ids(rows, g, "prompt_id")
+        sets = [rows[i * g] for i in range(len(set_ids))]
+        rollouts = pd.DataFrame(
+            [
+                {
+                    "prompt_id": sid,
+                    "sample_idx": int(idx),
+                    "prompt": s["set_prompt"],
+                    "response": response,
+                    "num_tokens": len(response.split()),
+                    "finish_reason": "stop",
+                    "policy": "candidate-set",
+                    "seed": 0,
+                }
+                for sid, s in zip(set_ids, sets, strict=True)
+                for idx, response in zip(s["sample_idx"], s["responses"], strict=True)
+            ]
+        )
+        write_artifact(uri["rollouts"], "rollouts", rollouts)
+        rubric_records = []
+        for i, sid in enumerate(set_ids):
+            group = rows[i * g : (i + 1) * g]
+            rubric_records += rubric_rows(
+                sid,
+                group[0]["generator_prompt"],
+                [r["completion"] for r in group],
+                [r["finish_reason"] for r in group],
+                variant="dynamic",
+                generator=self.generator,
+                num_items=cfg.rubrics.num_items,
+                constrained=cfg.rubrics.constrained,
+            )
+        rubrics = pd.DataFrame(rubric_records)
+        write_artifact(uri["rubrics"], "rubrics", rubrics)
+        anchors = pd.DataFrame(
+            [
+                {
+                    "list_id": sid,
+                    "sample_idx": int(idx),
+                    "rank": int(rank_),
+                    "prompt": s["set_prompt"],
+                    "response": response,
+                    "source": "candidates",
+                }
+                for sid, s in zip(set_ids, sets, strict=True)
+                if s["anchor_ranks"]
+                for idx, response, rank_ in zip(
+                    s["sample_idx"], s["responses"], s["anchor_ranks"], strict=True
+                )
+            ]
+        )
+        t = time.perf_counter()
+        verifier = self._engines("verifier", self.verifier)
+        calls = Calls(verifier, "judge")
+        counts = run_judge(
+            uri["rollouts"],
+            uri["judgments"],
+            cfg,
+            rubrics_uri=uri["rubrics"],
+            verifier=self.verifier,
+            engine=verifier,
+        )
+        call_metrics = calls.done()
+        judge_s = time.perf_counter() - t
+        failed = set_aside_failed(cfg, uri, uri["rubrics"], set_ids, "train-evaluator", step, call_metrics)
+        overall: dict = {}
+        if len(failed) < len(set_ids):
+            kept = anchors[~anchors["list_id"].isin(failed)] if len(anchors) else anchors
+            result = aggregate_step(
+                cfg,
+                uri,
+                uri["rubrics"],
+                kept if len(kept) else None,
+                soft=cfg.aggregate.soft,
+                round_idx=self.round_idx,
+                variant="dynamic",
+                step=step,
+                stage="train-evaluator",
+            )
+            overall = result.overall
+            rewards = read_frame(uri["rewards"], "rewards").set_index(["prompt_id", "rubric_idx"])
+        values = []
+        for sid in set_ids:
+            for j in range(g):
+                if sid in failed:  # a set that lost verdicts: no reward for any of its rubric samples
+                    values.append((None, None))
+                    continue
+                r = rewards.loc[(sid, j)]
+                anchor = None if pd.isna(r["r_anchor"]) else float(r["r_anchor"])
+                values.append((float(r["r_disc"]), anchor))
+        # Parse rate among the samples not cut off by the token limit; the cut-off ones are reported apart.
+        truncated = rubrics["parse_status"] == TRUNCATED
+        complete = rubrics[~truncated]
+        metrics = {
+            **overall,
+            **call_metrics,
+            "rewards/failed_groups": len(failed),
+            "rubrics/parse_rate": float((complete["parse_status"] != "empty").mean())
+            if len(complete)
+            else 0.0,
+            "rubrics/truncated_rate": float(truncated.mean()),
+            "rubrics/mean_items": float(rubrics["items"].map(len).mean()),
+            "judge/yes_rate": counts["yes_rate"],
+            "time/judge_s": judge_s,
+            "time/reward_s": time.perf_counter() - started,
+        }
+        return values, metrics

@@ -1,0 +1,250 @@
+"""DynamicRubric as reward functions for TRL's GRPOTrainer.
+
+TRL runs the online loop (sample, score, update); these callables do the scoring, with the very code
+the standalone stages run: every step's batch is written as the same artifacts (rollouts, rubrics,
+judgments, scores, rewards, diagnostics, metrics) under `<steps_uri>/step-NNNNN/`, and
+`run_rubrics`, `run_judge` and `run_aggregate` read and write them. So a step's scoring can be
+validated (`dynrubric validate`) and rerun (`dynrubric stage aggregate ...`) like any stage output.
+
+- `PolicyReward` scores the policy's K completions per prompt, for each variant:
+  dynamic (G_t reads the prompt and the K completions, writes a rubric, V judges every item and
+  completion), static (the rubric is written from the prompt alone), pointwise (V rates each
+  completion) and verifiable (the task's checker: reasoning-gym `score_answer`, HumanEval tests in the
+  sandbox). The reward is the aggregated score, averaged over rubric samples.
+- `GeneratorRewards` scores the generator's G rubric samples per candidate set (a prompt and P_{t−1}'s
+  K responses): `r_disc` (items that split the set) and `r_anchor` (the rubric's agreement with the
+  set's reference ranking, None where the set has none). TRL normalises each within its group and
+  sums them with weights [1, λ] (`multi_objective_aggregation="normalize_then_sum"`, see training/arguments.py).
+
+The functions are stateless across steps: every random choice is seeded from (config seed, round,
+step), so a resumed run and a fresh run score the same batch identically. TRL hands a prompt's
+num_generations completions contiguously; with several processes each holds a slice, so the batch is
+gathered, each process scores every world-th group, and the scores are gathered back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pandas as pd
+
+from dynamicrubric.artifacts import write_artifact
+from dynamicrubric.config import Config, policy_variant, step_seed
+from dynamicrubric.training.reward_common import (
+    Calls,
+    aggregate_step,
+    checker_judgments,
+    completion_text,
+    engine_cache,
+    finish_reason,
+    log_all,
+    outcomes,
+    prompt_group_ids,
+    ranked_by,
+    score_by_groups,
+    served,
+    set_aside_failed,
+    step_dir,
+    step_uris,
+)
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------------
+# The policy's reward
+
+
+class PolicyReward:
+    """TRL reward function: the DynamicRubric score of each of the policy's completions."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        steps_uri: str,
+        round_idx: int,
+        generator: str = "",
+        verifier: str = "",
+        policy: str = "",
+        engines: Callable[[str], Any] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.variant = policy_variant(cfg)
+        self.steps_uri = steps_uri
+        self.round_idx = round_idx
+        self.generator = generator or cfg.models.generator
+        self.verifier = verifier or cfg.models.verifier
+        self.policy = policy or cfg.models.policy
+        self.k = cfg.rollout.k
+        self.max_tokens = cfg.rollout.max_new_tokens
+        self._engines = engines or engine_cache(cfg)
+        self.served = served(cfg, ("generator", "verifier"))
+        self.__name__ = f"{self.variant}_score"  # TRL names the reward's metrics after it
+
+    def release_models(self) -> None:
+        """Drop the engines loaded so far (training is over; writing the checkpoint needs the memory)."""
+        self._engines = engine_cache(self.cfg)
+
+    def __call__(
+        self,
+        prompts: list,
+        completions: list,
+        completion_ids: list[list[int]],
+        *,
+        prompt_id: list[str],
+        prompt_text: list[str],
+        task: list[str],
+        reference: list[str | None],
+        meta: list[str | None],
+        trainer_state: Any = None,
+        log_metric: Callable | None = None,
+        **_: Any,
+    ) -> list[float]:
+        step = int(trainer_state.global_step) + 1 if trainer_state is not None else 0
+        rows = [
+            {
+                "prompt_id": pid,
+                "prompt": text,
+                "task": t,
+                "reference": ref,
+                "meta": m,
+                "response": completion_text(c),
+                "num_tokens": len(ids),
+                "finish_reason": finish_reason(ids, self.max_tokens),
+            }
+            for pid, text, t, ref, m, c, ids in zip(
+                prompt_id, prompt_text, task, reference, meta, completions, completion_ids, strict=True
+            )
+        ]
+        scores, metrics = score_by_groups(
+            rows, self.k, lambda r, rank, world: self.score(r, step, rank, world), self.served
+        )
+        log_all(log_metric, metrics)
+        return scores
+
+    def score(self, rows: list[dict], step: int, rank: int = 0, world: int = 1) -> tuple[list[float], dict]:
+        """Scores for whole groups of K rows; writes the step's artifacts."""
+        if not rows:
+            return [], {}
+        started = time.perf_counter()
+        cfg, folder = self.cfg, step_dir(self.steps_uri, step, rank, world)
+        uri = step_uris(folder)
+        group_ids = prompt_group_ids(rows, self.k, "prompt_id")
+        seed = step_seed(cfg, self.round_idx, step)
+        rollouts = pd.DataFrame(
+            {
+                "prompt_id": [group_ids[i // self.k] for i in range(len(rows))],
+                "sample_idx": [i % self.k for i in range(len(rows))],
+                "prompt": [r["prompt"] for r in rows],
+                "response": [r["response"] for r in rows],
+                "num_tokens": [r["num_tokens"] for r in rows],
+                "finish_reason": [r["finish_reason"] for r in rows],
+                "policy": self.policy,
+                "seed": seed,
+            }
+        )
+        write_artifact(uri["rollouts"], "rollouts", rollouts)
+        prompts = pd.DataFrame(
+            {
+                "prompt_id": group_ids,
+                "task": [rows[g * self.k]["task"] for g in range(len(group_ids))],
+                "prompt": [rows[g * self.k]["prompt"] for g in range(len(group_ids))],
+                "reference": [rows[g * self.k]["reference"] for g in range(len(group_ids))],
+                "meta": [rows[g * self.k]["meta"] for g in range(len(group_ids))],
+            }
+        )
+        metrics: dict[str, float] = {}
+        timing: dict[str, float] = {}
+        rubrics_uri = None
+        if self.variant == "verifiable":
+            t = time.perf_counter()
+            outcome = outcomes(rollouts, prompts, cfg)
+            timing["time/checker_s"] = time.perf_counter() - t
+            write_artifact(uri["judgments"], "judgments", checker_judgments(rollouts, outcome))
+            anchors = ranked_by(rollouts, outcome)
+        else:
+            from dynamicrubric.judge import run_judge
+            from dynamicrubric.tasks import CODE_TASKS, anchors_from_outcomes
+
+            if self.variant in ("dynamic", "static"):
+                from dynamicrubric.rubrics import run_rubrics
+
+                t = time.perf_counter()
+                rubrics_uri = uri["rubrics"]
+                generator = self._engines("generator", self.generator)
+                calls = Calls(generator, "rubrics")
+                counts = run_rubrics(
+                    uri["rollouts"],
+                    rubrics_uri,
+                    cfg,
+                    generator=self.generator,
+                    samples=cfg.rubrics.samples,
+                    variant=self.variant,
+                    seed=seed,
+                    engine=generator,
+                    allow_failed=True,
+                )
+                metrics.update(calls.done())
+                timing["time/rubrics_s"] = time.perf_counter() - t
+                metrics["rubrics/parse_rate"] = counts["parse_rate"]
+                metrics["rubrics/truncated_rate"] = counts["truncated"] / max(counts["rubrics"], 1)
+                metrics["rubrics/mean_items"] = counts["mean_items"]
+            t = time.perf_counter()
+            verifier = self._engines("verifier", self.verifier)
+            calls = Calls(verifier, "judge")
+            counts = run_judge(
+                uri["rollouts"],
+                uri["judgments"],
+                cfg,
+                rubrics_uri=rubrics_uri,
+                verifier=self.verifier,
+                engine=verifier,
+            )
+            metrics.update(calls.done())
+            timing["time/judge_s"] = time.perf_counter() - t
+            metrics["judge/yes_rate"] = counts["yes_rate"]
+            verifiable = prompts[prompts["meta"].notna() | prompts["reference"].notna()]
+            if cfg.pipeline.stage_resources("train_policy").gpus:
+                # No policy code runs in a GPU pod: code prompts get no outcome ranking (Δgap) here.
+                code = verifiable["task"].isin(CODE_TASKS)
+                metrics["rewards/unchecked_code_groups"] = float(code.sum())
+                verifiable = verifiable[~code]
+            anchors = (
+                anchors_from_outcomes(
+                    rollouts[rollouts["prompt_id"].isin(verifiable["prompt_id"])],
+                    verifiable,
+                    timeout_s=cfg.evaluate.sandbox_timeout_s,
+                )
+                if len(verifiable)
+                else None
+            )
+        calls = {k: v for k, v in metrics.items() if "/calls_" in k}
+        failed = set_aside_failed(cfg, uri, rubrics_uri, group_ids, "train-policy", step, calls)
+        metrics["rewards/failed_groups"] = len(failed)
+        per_response: dict = {}
+        if len(failed) < len(group_ids):
+            scores = aggregate_step(
+                cfg,
+                uri,
+                rubrics_uri,
+                None if anchors is None else anchors[~anchors["list_id"].isin(failed)],
+                soft=cfg.aggregate.soft or self.variant == "verifiable",
+                round_idx=self.round_idx,
+                variant=self.variant,
+                step=step,
+            )
+            metrics.update(scores.overall)
+            per_response = scores.frame.groupby(["prompt_id", "sample_idx"])["score"].mean().to_dict()
+        # A group that lost a verdict or its rubric gets no reward at all (TRL leaves None out of the
+        # advantage), never a score computed from what was left of it.
+        values = [
+            None if pid in failed else float(per_response[(pid, idx)])
+            for pid, idx in zip(rollouts["prompt_id"], rollouts["sample_idx"], strict=True)
+        ]
+        timing["time/reward_s"] = time.perf_counter() - started
+        metrics.update(timing)
+        return values, metrics

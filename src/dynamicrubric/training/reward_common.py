@@ -1,0 +1,323 @@
+"""What both trainers' reward functions share: whole groups across processes, the engines they
+load (or reach through a server), the ledger of their calls, the step's artifacts, the checker's
+outcomes, and the aggregation of a step (see training/policy_reward.py, training/generator_rewards.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+
+from dynamicrubric import store
+from dynamicrubric.artifacts import read_artifact, read_frame, write_artifact
+from dynamicrubric.config import Config
+from dynamicrubric.models import resolve_model
+
+log = logging.getLogger(__name__)
+
+
+def step_dir(steps_uri: str, step: int, rank: int = 0, world: int = 1) -> str:
+    """Where one step's artifacts go (a rank's own folder when several processes score)."""
+    folder = store.join(steps_uri, f"step-{step:05d}")
+    return store.join(folder, f"rank-{rank}") if world > 1 else folder
+
+
+def completion_text(completion: Any) -> str:
+    """TRL passes conversational completions as [{"role": "assistant", "content": ...}]."""
+    if isinstance(completion, list):
+        return str(completion[-1]["content"]) if completion else ""
+    return str(completion)
+
+
+def finish_reason(ids: list[int], max_tokens: int) -> str:
+    """'length' when the completion used its whole budget (TRL cuts at eos, so a stop is shorter)."""
+    return "length" if len(ids) >= max_tokens else "stop"
+
+
+# --------------------------------------------------------------------------------------------------
+# Whole groups across processes
+
+
+def process_rank() -> tuple[int, int]:
+    from accelerate import PartialState
+
+    state = PartialState()
+    return state.process_index, state.num_processes
+
+
+def gather(local: list) -> tuple[list, int]:
+    """Every process's items in process order, and where this process's own slice starts."""
+    rank, world = process_rank()
+    if world == 1:
+        return local, 0
+    from accelerate.utils import gather_object
+
+    parts = gather_object([local])
+    return [x for part in parts for x in part], sum(len(p) for p in parts[:rank])
+
+
+def score_by_groups(
+    local_rows: list[dict],
+    group_size: int,
+    score: Callable[[list[dict], int, int], tuple[list, dict]],
+    served: bool = False,
+) -> tuple[list, dict]:
+    """Split the whole batch into groups, score this process's share, and return its own slice.
+
+    `score(rows, rank, world)` gets the rows of this process's groups (whole groups, in batch order)
+    and returns one value per row plus metrics; the metrics are averaged by TRL across processes.
+    With `served` models the main process sends the whole step's requests at once (the servers batch
+    and prefix-cache them better than world small slices would) and the others wait for the scores.
+    """
+    rows, start = gather(local_rows)
+    if len(rows) % group_size:
+        raise ValueError(f"a batch of {len(rows)} completions is not whole groups of {group_size}")
+    rank, world = process_rank()
+    if served:
+        mine = list(range(len(rows))) if rank == 0 else []
+        values, metrics = score([rows[i] for i in mine], 0, 1)
+    else:
+        mine = [i for i in range(len(rows)) if (i // group_size) % world == rank]
+        values, metrics = score([rows[i] for i in mine], rank, world)
+    results = dict(zip(mine, values, strict=True))
+    if world > 1:
+        from accelerate.utils import gather_object
+
+        results = {k: v for part in gather_object([results]) for k, v in part.items()}
+    return [results[i] for i in range(start, start + len(local_rows))], metrics
+
+
+def prompt_group_ids(rows: list[dict], group_size: int, key: str) -> list[str]:
+    """A distinct id per group: the row's id, suffixed if the same prompt appears twice in one batch."""
+    ids, seen = [], {}
+    for g in range(0, len(rows), group_size):
+        base = str(rows[g][key])
+        seen[base] = seen.get(base, -1) + 1
+        ids.append(base if seen[base] == 0 else f"{base}#{seen[base]}")
+    return ids
+
+
+def log_all(log_metric: Callable | None, metrics: dict) -> None:
+    for name, value in metrics.items():
+        if log_metric is not None and value is not None and math.isfinite(value):
+            log_metric(name, float(value))
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared pieces
+
+STEP_ARTIFACTS = (
+    "calls",  # JSON: every server request's outcome, by role (the trainers' metrics hold them per step too)
+    "rollouts",
+    "rubrics",
+    "judgments",
+    "scores",
+    "rewards",
+    "diagnostics",
+    "metrics",
+    "anchors",
+)
+
+
+def step_uris(folder: str) -> dict[str, str]:
+    return {
+        name: store.join(folder, f"{name}.json" if name == "calls" else f"{name}.parquet")
+        for name in STEP_ARTIFACTS
+    }
+
+
+def served(cfg: Config, roles: tuple[str, ...]) -> bool:
+    return any(getattr(cfg.models, f"{role}_url") for role in roles)
+
+
+def engine_cache(cfg: Config) -> Callable[[str, str], Any]:
+    """Each role's engine, made once per process: a client of the role's server when the config names
+    one (`models.<role>_url`, set by the training task for the servers it starts), else the model
+    loaded in-process, which only the CPU engine may do (vLLM engines inside every training rank would
+    all land on GPU 0 and cannot fit beside the trainer)."""
+    from dynamicrubric.engines import EngineError, load_engine
+
+    loaded: dict[str, Any] = {}
+
+    def get(role: str, ref: str) -> Any:
+        if role not in loaded:
+            import torch
+
+            url = getattr(cfg.models, f"{role}_url")
+            if not url and cfg.engine.engine != "hf":
+                raise EngineError(
+                    f"the training reward calls the {role} through a model server on GPUs: set "
+                    f"train_*.reward_gpus (the task serves it) or models.{role}_url"
+                )
+            # Loading initialises weights from torch's global RNG; the trainer's sampling draws from it
+            # too, and a resumed run loads the engines at another step than an uninterrupted one.
+            with torch.random.fork_rng(devices=[]):
+                model = ref if url else str(resolve_model(ref))
+                loaded[role] = load_engine(model, cfg.engine, url=url, serving=cfg.serving)
+        return loaded[role]
+
+    return get
+
+
+class Calls:
+    """The server requests one scoring call made, as metrics under `prefix` (empty for in-process)."""
+
+    def __init__(self, engine: Any, prefix: str) -> None:
+        self.ledger = getattr(engine, "ledger", None)  # only served engines make requests
+        self.before = self.ledger.snapshot() if self.ledger is not None else None
+        self.prefix = prefix
+
+    def done(self) -> dict[str, float]:
+        if self.ledger is None:
+            return {}
+        return {f"{self.prefix}/calls_{k}": float(v) for k, v in self.ledger.since(self.before).items()}
+
+
+class RewardError(RuntimeError):
+    """A training step whose scoring failed past the failure budget; the message says what happened."""
+
+
+def set_aside_failed(
+    cfg: Config,
+    uri: dict[str, str],
+    rubrics_uri: str | None,
+    group_ids: list[str],
+    stage: str,
+    step: int,
+    calls: dict[str, float],
+) -> set[str]:
+    """The groups that lost a verdict (p_yes NaN: a failed request, or a verifier that gave no label) or
+    a rubric sample (its request failed). Their rows move from the step's artifacts to `failed-*.parquet`
+    beside them, so aggregation reads only whole groups and nothing asked is lost. Over the step's
+    failure budget (`serving.max_failed_fraction`) the step fails with one line."""
+    from dynamicrubric.engines import FAILED
+
+    # The requests' outcomes are part of the step's record, also (above all) when the step fails here.
+    store.write_bytes(uri["calls"], json.dumps(calls, indent=1, sort_keys=True).encode())
+    judgments = read_frame(uri["judgments"], "judgments")
+    failed = set(judgments.loc[judgments["p_yes"].isna(), "prompt_id"])
+    rubrics = read_frame(rubrics_uri, "rubrics") if rubrics_uri else None
+    if rubrics is not None:
+        failed |= set(rubrics.loc[rubrics["parse_status"] == FAILED, "prompt_id"])
+    if not failed:
+        return failed
+    share = len(failed) / len(group_ids)
+    if share > cfg.serving.max_failed_fraction:
+        raise RewardError(
+            f"{stage} step {step}: {len(failed)} of {len(group_ids)} groups lost verdicts or rubrics "
+            f"({share:.0%} > serving.max_failed_fraction={cfg.serving.max_failed_fraction}); requests: "
+            + ", ".join(f"{k.split('/')[-1]} {int(v)}" for k, v in sorted(calls.items()) if v)
+            + f"; the step's artifacts and calls.json are in {uri['calls'].rsplit('/', 1)[0]}"
+        )
+    frames = {"judgments": judgments, "rollouts": read_frame(uri["rollouts"], "rollouts")}
+    if rubrics is not None:
+        frames["rubrics"] = rubrics
+    for name, frame in frames.items():
+        lost = frame["prompt_id"].isin(failed)
+        write_artifact(failed_uri(uri[name]), name, frame[lost])
+        write_artifact(uri[name], name, frame[~lost])
+    log.warning(
+        "%s step %d: %d of %d groups get no reward (lost verdicts or rubrics): %s",
+        stage,
+        step,
+        len(failed),
+        len(group_ids),
+        sorted(failed)[:5],
+    )
+    return failed
+
+
+def failed_uri(artifact_uri: str) -> str:
+    folder, name = artifact_uri.rstrip("/").rsplit("/", 1)
+    return f"{folder}/failed-{name}"
+
+
+def outcomes(rollouts: pd.DataFrame, prompts: pd.DataFrame, cfg: Config) -> list[float]:
+    """The task checker's score of every rollout; a group's code runs in one sandbox batch."""
+    from dynamicrubric.tasks import score_group
+
+    by_id = {row["prompt_id"]: row for row in prompts.to_dict("records")}
+    scores = pd.Series(0.0, index=rollouts.index)
+    for pid, group in rollouts.groupby("prompt_id", sort=False):
+        scores[group.index] = score_group(
+            by_id[pid], group["response"].tolist(), timeout_s=cfg.evaluate.sandbox_timeout_s
+        )
+    return scores.tolist()
+
+
+def checker_judgments(rollouts: pd.DataFrame, outcome: list[float]) -> pd.DataFrame:
+    """The checker as a one-item judge: p_yes is its score, so soft aggregation reproduces it exactly."""
+    return pd.DataFrame(
+        {
+            "prompt_id": rollouts["prompt_id"],
+            "rubric_idx": 0,
+            "item_idx": 0,
+            "sample_idx": rollouts["sample_idx"],
+            "weight": 1,
+            "verdict": [o >= 0.5 for o in outcome],
+            "p_yes": outcome,
+        }
+    )
+
+
+def ranked_by(rollouts: pd.DataFrame, outcome: list[float]) -> pd.DataFrame | None:
+    """Reference rankings from outcomes (for Δgap), for groups whose outcomes differ."""
+    from dynamicrubric.tasks import ranked_by_score
+
+    ranked, _ = ranked_by_score(rollouts.assign(score=outcome))
+    return ranked if len(ranked) else None
+
+
+class Scores:
+    def __init__(self, frame: pd.DataFrame, overall: dict) -> None:
+        self.frame, self.overall = frame, overall
+
+
+def aggregate_step(
+    cfg: Config,
+    uri: dict[str, str],
+    rubrics_uri: str | None,
+    anchors: pd.DataFrame | None,
+    *,
+    soft: bool,
+    round_idx: int,
+    variant: str,
+    step: int,
+    stage: str = "train-policy",
+) -> Scores:
+    from dynamicrubric.aggregate import run_aggregate
+
+    anchors_uri = None
+    if anchors is not None and len(anchors):
+        anchors_uri = uri["anchors"]
+        write_artifact(anchors_uri, "anchors", anchors)
+    overall = run_aggregate(
+        uri["judgments"],
+        uri["rollouts"],
+        uri["scores"],
+        uri["rewards"],
+        uri["diagnostics"],
+        uri["metrics"],
+        rubrics_uri=rubrics_uri,
+        anchors_uri=anchors_uri,
+        soft=soft,
+        round_idx=round_idx,
+        variant=variant,
+        step=step,
+    )
+    # The stages' own code wrote the step's inputs; stamp the step on them too, now that aggregation
+    # has read them, so every file of a step folder says which step it belongs to.
+    for name in ("rollouts", "rubrics", "judgments"):
+        if name != "rubrics" or rubrics_uri:
+            table = read_artifact(uri[name], name)
+            write_artifact(
+                uri[name], name, table.append_column("step", pa.array([step] * len(table), pa.int32()))
+            )
+    named = {f"signal/{k}": v for k, v in overall.items()}
+    log.debug("%s step %d: %s", stage, step, json.dumps(named))
+    return Scores(read_frame(uri["scores"], "scores"), named)
