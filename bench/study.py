@@ -43,7 +43,7 @@ from bench.stats import bootstrap_mean, paired_units, unit_intervals
 from dynamicrubric import tasks, tracking
 from dynamicrubric.artifacts import read_frame, write_artifact
 from dynamicrubric.config import Config, _merge, load_config
-from dynamicrubric.evaluate import OUTCOMES_PREFIX
+from dynamicrubric.labelled import OUTCOMES_PREFIX
 
 HERE = Path(__file__).parent / "study"
 PLOTS = Path(__file__).parent.parent / "docs" / "results"  # per-variant plots for the report

@@ -14,25 +14,22 @@ from hypothesis import strategies as st
 from dynamicrubric import store, tasks
 from dynamicrubric.artifacts import read_artifact, write_artifact
 from dynamicrubric.config import load_config
-from dynamicrubric.evaluate import (
-    PLOT_NAMES,
-    _accuracy_by_origin,
+from dynamicrubric.evaluate import _accuracy_by_origin, run_evaluate
+from dynamicrubric.evaluation_metrics import (
     evaluator_metrics,
     listwise_accuracy,
-    load_labelled,
     mean_gap,
     mean_gap_correct,
     ndcg,
-    outcome_lists,
     pairwise_accuracy,
     pass_at_k,
     policy_metrics,
-    run_evaluate,
     tie_rate,
     uniformity_rate,
     win_rate,
-    write_plots,
 )
+from dynamicrubric.labelled import load_labelled, outcome_lists
+from dynamicrubric.plots import PLOT_NAMES, write_plots
 
 D2, D3 = 1 / math.log2(3), 1 / math.log2(4)  # discounts of positions 2 and 3 (position 1: 1.0)
 

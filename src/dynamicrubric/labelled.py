@@ -1,0 +1,86 @@
+"""Labelled lists for the evaluator metrics: the policy's samples ranked by their verifiable outcomes, and
+the user's files of ranked responses (anchors, Nectar, chosen/rejected pairs)."""
+
+from __future__ import annotations
+
+import logging
+from importlib import resources
+
+import numpy as np
+import pandas as pd
+
+from dynamicrubric import tasks
+from dynamicrubric.artifacts import ArtifactError, artifact_kind, read_frame
+
+log = logging.getLogger(__name__)
+
+OUTCOMES_PREFIX = "outcomes:"  # list ids of the policy's outcome lists; a user's file i gives "file<i>:"
+
+
+# --------------------------------------------------------------------------------------------------
+# Labelled lists: verifiable outcomes and user files
+# --------------------------------------------------------------------------------------------------
+
+
+# `data.labelled: ["dynamicrubric:NAME"]` names a labelled set shipped in the package's presets/ folder:
+# a preset cannot name a path, since a run may start in any folder.
+PACKAGED_PREFIX = "dynamicrubric:"
+
+
+def packaged_path(uri: str) -> str:
+    """The file behind a `dynamicrubric:NAME` labelled set; any other URI as it is."""
+    if not uri.startswith(PACKAGED_PREFIX):
+        return uri
+    path = resources.files("dynamicrubric").joinpath("presets", uri.removeprefix(PACKAGED_PREFIX))
+    if not path.is_file():
+        raise ValueError(f"{uri}: no such labelled set in the package (looked for {path})")
+    return str(path)
+
+
+def load_labelled(uri: str) -> pd.DataFrame:
+    """An anchors frame from a user file: an `anchors` artifact, Nectar answers, or chosen/rejected pairs.
+
+    The format is detected: a dynamicrubric artifact by its footer, otherwise by columns (`chosen` and
+    `rejected`: pairs; `answers`: Nectar). `dynamicrubric:NAME` is a set shipped with the package.
+    """
+    uri = packaged_path(uri)
+    try:
+        found = artifact_kind(uri)
+    except ArtifactError:
+        found = "<none>"
+    if found == "anchors":
+        return read_frame(uri, "anchors")
+    if found != "<none>":
+        raise ValueError(f"{uri}: a {found!r} artifact is not a labelled set; expected an 'anchors' artifact")
+    records = tasks.read_records(uri)
+    columns = set(records[0])
+    if {"chosen", "rejected"} <= columns:
+        return tasks.load_pairs(uri)
+    if "answers" in columns:
+        return tasks.load_nectar(uri)
+    raise ValueError(
+        f"{uri}: cannot tell the labelled-set format from columns {sorted(columns)}; expected an anchors "
+        "artifact, chosen/rejected pairs (columns prompt, chosen, rejected) or Nectar (prompt, answers)"
+    )
+
+
+def outcome_lists(scored: pd.DataFrame, prompts: pd.DataFrame) -> pd.DataFrame:
+    """Anchors from verifiable outcomes: each prompt's samples ranked by checker score (dense, 1 = best).
+
+    The ranking rule of `tasks.anchors_from_outcomes` (score descending → dense rank, list_id =
+    prompt_id), applied to scores already computed, so code is not run in the sandbox a second time.
+    Unlike there, lists whose samples all score the same are kept (all rank 1): the caller counts
+    them as skipped.
+    """
+    ranked = scored.assign(rank=scored.groupby("prompt_id")["score"].rank(method="dense", ascending=False))
+    prompt_text = prompts.set_index("prompt_id")["prompt"]
+    return pd.DataFrame(
+        {
+            "list_id": ranked["prompt_id"].astype(str),
+            "sample_idx": ranked["sample_idx"].astype(np.int32),
+            "rank": ranked["rank"].astype(np.int32),
+            "prompt": ranked["prompt_id"].map(prompt_text),
+            "response": ranked["response"],
+            "source": "outcomes",
+        }
+    ).reset_index(drop=True)
