@@ -31,6 +31,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "rollout",
         "rubrics",
         "judge",
+        "aggregate_codes",
         "aggregate",
         "tasks",
         "evaluation_metrics",
