@@ -41,7 +41,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     ),
     "training": ("training",),
     "stages": ("stages",),
-    "entry points": ("cli", "launch", "components", "pipelines"),
+    "entry points": ("cli", "launch", "task_monitor", "round_table", "components", "pipelines"),
 }
 LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 SOURCES = {

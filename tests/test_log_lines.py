@@ -7,8 +7,8 @@ import re
 import subprocess
 import sys
 
-from dynamicrubric.launch import PROGRESS_LINE
 from dynamicrubric.pipelines.co_evolution import task_count
+from dynamicrubric.task_monitor import PROGRESS_LINE
 
 TASK_LINE = re.compile(r"^\d\d:\d\d:\d\d done   (setup|r\d+) .+ +\d+\.\ds\b")
 REPORT_MAX_LINES = 30  # the round table (a line per round), its legend and where things are

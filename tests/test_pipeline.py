@@ -21,8 +21,8 @@ import yaml
 
 from dynamicrubric import store, tracking
 from dynamicrubric.config import load_config
-from dynamicrubric.launch import round_table
 from dynamicrubric.pipelines.co_evolution import default_run_name
+from dynamicrubric.round_table import round_table
 
 
 def _stage_runs(client, experiment_id: str) -> list:

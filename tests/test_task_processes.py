@@ -11,7 +11,7 @@ import sys
 from kfp import dsl
 from kfp.local.subprocess_task_handler import replace_python_executable
 
-from dynamicrubric.launch import TaskMonitor
+from dynamicrubric.task_monitor import TaskMonitor
 from dynamicrubric.task_processes import TaskStarter, executor_call
 
 

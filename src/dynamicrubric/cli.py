@@ -167,8 +167,9 @@ def _tracking_uri(args: argparse.Namespace) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from dynamicrubric.launch import report, run_local
+    from dynamicrubric.launch import run_local
     from dynamicrubric.pipelines.co_evolution import task_count
+    from dynamicrubric.round_table import report
 
     cfg = _config_with_rounds(args)
     print(

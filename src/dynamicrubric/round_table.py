@@ -1,0 +1,172 @@
+"""The report at the end of a local run: the per-round table (from MLflow) with its legend, and where
+the run's folder, plots and MLflow UI are."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from dynamicrubric import tracking
+from dynamicrubric.config import Config
+from dynamicrubric.launch import LocalRun
+from dynamicrubric.stats import wilson_interval
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------------------
+# The round table
+# ------------------------------------------------------------------------------------------------
+
+# Columns of the round table: (header, metric source stage, metric, sample-size metric, meaning).
+SMALL_N = 100  # below this many samples an accuracy gets its 95% interval
+
+LEGEND = [
+    (
+        "mean_gap",
+        "mean score gap E(best) - E(other) of the policy's responses, by G_t's rubrics (higher is better)",
+    ),
+    ("tie_rate", "share of response pairs with equal scores (a tie gives the policy no direction)"),
+    ("uniformity", "share of candidate sets whose responses all scored the same"),
+    ("evaluator_acc", "pairwise accuracy of the evaluator on labelled lists; n = labelled pairs"),
+    ("policy_acc", "accuracy of P_t on held-out prompts; n = scored samples"),
+    ("win_rate", "share of held-out prompts where P_t beats P_t-1 (ties count half); n = prompts"),
+]
+
+
+def round_table(cfg: Config, parent_run_id: str) -> list[dict]:
+    """Per-round headline numbers from MLflow: the signal audit of the round's evaluator on P_{t-1}'s
+    probe samples (after the generator update, for the dynamic variant) and the eval results, each
+    accuracy as (value, n)."""
+    if not parent_run_id:
+        return []
+    variant = _main_variant(cfg)
+    table = []
+    for t, stages in sorted(tracking.stage_runs_by_round(cfg, parent_run_id).items()):
+        if t == 0:
+            continue  # data preparation only
+        by_stage = {s.data.tags.get(tracking.STAGE_TAG): s.data.metrics for s in stages}
+        agg = by_stage.get("audit-after-aggregate") or by_stage.get("audit-aggregate") or {}
+        ev = by_stage.get("evaluate", {})
+        table.append(
+            {
+                "round": t,
+                "mean_gap": agg.get("mean_gap"),
+                "tie_rate": agg.get("tie_rate"),
+                "uniformity": agg.get("uniformity_rate"),
+                "evaluator_acc": _with_n(
+                    ev,
+                    f"{variant}/pairwise_accuracy",
+                    f"{variant}/labelled_pairs",
+                    f"{variant}/labelled_lists",
+                ),
+                "policy_acc": _with_n(ev, "policy/accuracy", "policy/samples"),
+                "win_rate": _with_n(ev, "policy/win_rate", "policy/win_rate_prompts"),
+            }
+        )
+    return table
+
+
+def _with_n(metrics: dict, key: str, n_key: str, counted: str = "") -> tuple[float, int] | None:
+    """(value, n); NaN with n = 0 when the stage ran (`counted` was logged) but had nothing to measure,
+    e.g. no labelled pair; None when the metric was not measured at all."""
+    if not any(k in metrics for k in (key, n_key, counted) if k):
+        return None
+    return metrics.get(key, float("nan")), int(metrics.get(n_key, 0))
+
+
+def _main_variant(cfg: Config) -> str:
+    from dynamicrubric.pipelines.co_evolution import pipeline_variant
+
+    return pipeline_variant(cfg)
+
+
+def format_table(rows: list[dict]) -> str:
+    if not rows:
+        return "(no rounds recorded)"
+    headers = list(rows[0])
+    cells = [[_fmt(r[h]) for h in headers] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+# The built-in 135M model: numbers from it need reading at its scale (see scale_notes).
+SMALL_MODEL = "smollm2-135m-instruct"
+
+
+def format_legend(rows: list[dict], cfg: Config | None = None) -> str:
+    shown = set(rows[0]) if rows else set()
+    width = max(len(name) for name, _ in LEGEND)
+    lines = [f"  {name.ljust(width)}  {meaning}" for name, meaning in LEGEND if name in shown]
+    lines.append(f"  (n=…) is the sample size; [lo-hi] a 95% Wilson interval, shown when n < {SMALL_N}.")
+    lines += scale_notes(cfg) if cfg is not None else []
+    return "\n".join(lines)
+
+
+def scale_notes(cfg: Config) -> list[str]:
+    """How to read the table for this config's verdicts and, with the built-in 135M model, its size."""
+    notes = []
+    if cfg.aggregate.soft:
+        notes.append(
+            "  Scores weight each item by the verifier's P(yes) (aggregate.soft), so two responses tie only "
+            "when V is equally sure of both; hard yes/no verdicts tie far more often."
+        )
+    if {cfg.models.policy, cfg.models.generator, cfg.models.verifier} == {SMALL_MODEL}:
+        notes.append(
+            "  SmolLM2-135M plays every role here: its P(yes) moves little with the response, so gaps are "
+            "small, an evaluator_acc whose interval holds 0.5 is chance, and a few steps "
+            "of training change nothing measurable. The run shows the signal the method trains on, end to "
+            "end; docs/results.md measures what it does at this size."
+        )
+    return notes
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, tuple):  # (proportion, n)
+        p, n = value
+        if p != p:  # NaN: nothing to measure (e.g. no labelled pair)
+            return f"- (n={n})"
+        text = f"{p:.3f} (n={n})"
+        if 0 < n < SMALL_N and 0.0 <= p <= 1.0:
+            lo, hi = wilson_interval(p, n)
+            text += f" [{lo:.2f}-{hi:.2f}]"
+        return text
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def report(cfg: Config, result: LocalRun) -> str:
+    """What `dynrubric run` prints at the end: the round table with its legend, where everything is,
+    and whether anything ran at all."""
+    rows = round_table(cfg, result.parent_run_id)
+    out = ["", format_table(rows), "", "Legend:", format_legend(rows, cfg), ""]
+    if result.tasks and result.ran == 0:
+        out.append(
+            f"All {len(result.tasks)} tasks were cached: nothing ran, the numbers are the earlier run's. "
+            "Pass --fresh to run again (or delete "
+            f"{Path(cfg.pipeline.pipeline_root).resolve() / '.kfp_cache'} to drop the cache)."
+        )
+    elif result.tasks and result.ran < len(result.tasks):
+        out.append(
+            f"{len(result.tasks) - result.ran} of {len(result.tasks)} tasks were taken from the cache."
+        )
+    out.append(f"Pipeline root: {Path(cfg.pipeline.pipeline_root).resolve()}")
+    for folder, index in zip(result.run_dirs, result.index_files, strict=True):
+        out.append(f"Run folder:    {folder}  (which task folder is which: {index})")
+    plots = [
+        (t.get("round") or 0, uri)
+        for t in result.tasks
+        if t["stage"] == "evaluate"
+        for uri in t["outputs"].get("plots", [])
+    ]
+    if plots:
+        last = max(plots)[1]
+        out.append(f"Plots (PNG):   {last}  (open with any image viewer, e.g. xdg-open {last}/accuracy.png)")
+    uri = tracking.tracking_uri(cfg)
+    if uri and result.parent_run_id:
+        out.append(f"MLflow parent run {result.parent_run_id}. Open the UI with:")
+        out.append(f"  mlflow ui --backend-store-uri {uri}")
+    return "\n".join(out) + "\n"
