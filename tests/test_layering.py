@@ -15,6 +15,7 @@ PACKAGE = ROOT / "src" / "dynamicrubric"
 # Lowest first. A module belongs to exactly one layer; a new module must be placed here.
 LAYERS: dict[str, tuple[str, ...]] = {
     "foundation": (
+        "config_sections",
         "config",
         "logs",
         "stats",
