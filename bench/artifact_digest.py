@@ -27,13 +27,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from dynamicrubric.artifacts import is_timing
+
 SKIPPED_FILES = {"task.log", "executor_output.json", "_COMPLETE"}
 PARQUET_MAGIC = b"PAR1"
-
-
-def is_timing(name: object) -> bool:
-    """A metric that measures time: its value differs from run to run by nature."""
-    return isinstance(name, str) and (name.startswith("time/") or name == "train_wall_s")
 
 
 def _normalised(value: object, run_folder: str) -> object:

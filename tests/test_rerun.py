@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dynamicrubric import tracking
-from dynamicrubric.artifacts import read_frame, write_artifact
+from dynamicrubric.artifacts import is_timing, read_frame, write_artifact
 from dynamicrubric.config import load_config
 from dynamicrubric.models import prepare_model
 from dynamicrubric.rollout import run_rollout
@@ -88,16 +88,13 @@ def _without_timings(path: Path) -> bytes | object:
     """A trainer's metrics artifact and its summary file hold the steps' time/* measurements (and
     train_wall_s): new on every run by nature. Everything else in them must match exactly."""
 
-    def timing(name: object) -> bool:
-        return isinstance(name, str) and (name.startswith("time/") or name == "train_wall_s")
-
     if path.name == checkpoints.SUMMARY_FILE:
         summary = json.loads(path.read_text())
-        summary["final"] = {k: v for k, v in summary["final"].items() if not timing(k)}
-        summary["metrics_rows"] = [r for r in summary["metrics_rows"] if not timing(r["name"])]
+        summary["final"] = {k: v for k, v in summary["final"].items() if not is_timing(k)}
+        summary["metrics_rows"] = [r for r in summary["metrics_rows"] if not is_timing(r["name"])]
         return summary
     frame = read_frame(str(path), "metrics")
-    return frame[~frame["name"].map(timing)].reset_index(drop=True).to_dict("records")
+    return frame[~frame["name"].map(is_timing)].reset_index(drop=True).to_dict("records")
 
 
 def _files(root: Path) -> dict[str, Path]:

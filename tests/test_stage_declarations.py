@@ -98,7 +98,9 @@ def test_an_added_param_reaches_the_cli(declared, tmp_path):
         parser.parse_args(["stage", "tagged", "--prompts", "p", "--out", "o", "--tag", "seven"])
 
 
-def test_an_added_param_reaches_mlflow_and_from_run(declared, tmp_path):
+@pytest.fixture
+def tagged_run(declared, tmp_path) -> dict:
+    """The test stage run once with MLflow (sqlite): its tracking URI, output and MLflow run."""
     import mlflow
 
     from dynamicrubric import tasks
@@ -109,15 +111,19 @@ def test_an_added_param_reaches_mlflow_and_from_run(declared, tmp_path):
     write_artifact(prompts, "prompts", tasks.configured_prompts(cfg.data, "train"))
     start_tracking(cfg.to_yaml(), "declared")
     execute(declared, cfg, "declared", 1, {"label": "a", "tag": 7, "prompts": prompts, "out_tagged": out})
-
     client = mlflow.MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name(cfg.pipeline.experiment).experiment_id
     (run,) = client.search_runs([experiment], f"tags.`{tracking.STAGE_TAG}` = 'a-tagged'")
+    return {"uri": uri, "out": out, "run": run}
+
+
+def test_an_added_param_reaches_mlflow_and_from_run(tagged_run, tmp_path):
+    run = tagged_run["run"]
     assert run.data.params["tag"] == "7"
 
     again = str(tmp_path / "again.parquet")
-    assert rerun("tagged", uri, run.info.run_id, None, {"out_tagged": again}) == {"tag": 7}
-    assert Path(again).read_bytes() == Path(out).read_bytes()
+    assert rerun("tagged", tagged_run["uri"], run.info.run_id, None, {"out_tagged": again}) == {"tag": 7}
+    assert Path(again).read_bytes() == Path(tagged_run["out"]).read_bytes()
     assert read_frame(again, "prompts")["prompt"].str.endswith(" #7").all()
 
 
@@ -126,23 +132,12 @@ def test_a_declaration_refuses_two_things_of_one_name():
         dataclasses.replace(TAGGED, outputs=(Data("prompts", "prompts", "the same name as the input"),))
 
 
-def test_a_rerun_refuses_a_task_of_another_stage(declared, tmp_path):
-    import mlflow
-
-    from dynamicrubric import tasks
+def test_a_rerun_refuses_a_task_of_another_stage(tagged_run, tmp_path):
     from dynamicrubric.stages.rerun import RerunError
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    cfg = load_config(None, preset="tiny", overrides={"pipeline": {"mlflow_tracking_uri": uri, "rounds": 1}})
-    prompts, out = str(tmp_path / "prompts.parquet"), str(tmp_path / "tagged.parquet")
-    write_artifact(prompts, "prompts", tasks.configured_prompts(cfg.data, "train"))
-    start_tracking(cfg.to_yaml(), "declared")
-    execute(declared, cfg, "declared", 1, {"label": "a", "tag": 7, "prompts": prompts, "out_tagged": out})
-    client = mlflow.MlflowClient(tracking_uri=uri)
-    experiment = client.get_experiment_by_name(cfg.pipeline.experiment).experiment_id
-    (run,) = client.search_runs([experiment], f"tags.`{tracking.STAGE_TAG}` = 'a-tagged'")
     with pytest.raises(RerunError, match="a tagged task, not rollout"):
-        rerun(ROLLOUT.name, uri, run.info.run_id, None, {"out_rollouts": str(tmp_path / "r.parquet")})
+        rerun(ROLLOUT.name, tagged_run["uri"], tagged_run["run"].info.run_id, None,
+              {"out_rollouts": str(tmp_path / "r.parquet")})  # fmt: skip
 
 
 def test_the_gpu_split_of_evaluate_reruns_byte_for_byte(tmp_path):

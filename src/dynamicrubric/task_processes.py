@@ -15,6 +15,7 @@ server's when torch was imported).
 
 from __future__ import annotations
 
+import abc
 import multiprocessing
 import os
 import resource
@@ -56,13 +57,14 @@ class Usage:
     max_rss_kib: int = 0
 
 
-class TaskProcess:
+class TaskProcess(abc.ABC):
     """One running task: read its output (stdout and stderr together) from `output`, then `wait()`."""
 
     output: IO[bytes]
 
+    @abc.abstractmethod
     def wait(self) -> tuple[int, Usage]:
-        raise NotImplementedError
+        """The task's exit code and what it used, once it has exited."""
 
 
 class _Subprocess(TaskProcess):

@@ -22,9 +22,14 @@ STAGE_PARAM = "stage"  # every stage run logs its stage's name, so a rerun knows
 def run_stage(name: str, config_yaml: str, run_name: str, round_idx: int, **values: Any) -> dict:
     """A KFP task's entry point: set up the task process, then run stage `name` (see `execute`)."""
     started = time.perf_counter()
+    return execute(STAGES[name], task_config(config_yaml), run_name, round_idx, values, started=started)
+
+
+def task_config(config_yaml: str) -> Config:
+    """A task process's set-up (its log format, no last garbage collection at exit) and its config."""
     logs.setup()
     logs.skip_the_exit_collection()
-    return execute(STAGES[name], config_from_yaml(config_yaml), run_name, round_idx, values, started=started)
+    return config_from_yaml(config_yaml)
 
 
 def execute(
@@ -152,7 +157,5 @@ def write_kfp_metrics(summary: Any, values: dict) -> None:
 
 def start_tracking(config_yaml: str, run_name: str) -> str:
     """Create the MLflow parent run; later tasks find it by `run_name` (see tracking.py)."""
-    logs.setup()
-    logs.skip_the_exit_collection()
-    cfg = config_from_yaml(config_yaml)
+    cfg = task_config(config_yaml)
     return tracking.start_pipeline_run(cfg, run_name, cfg.pipeline.rounds)
