@@ -94,19 +94,33 @@ def check_pairs(pairs: list[tuple[str, str]]) -> None:
             )
 
 
-def check_sampling(n: int, temperature: float, top_p: float, max_new_tokens: int) -> None:
-    if n < 1:
-        raise EngineError(f"generate: n must be >= 1, got {n}")
-    if temperature < 0:
-        raise EngineError(f"generate: temperature must be >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise EngineError(f"generate: top_p must be in (0, 1], got {top_p}")
-    if max_new_tokens < 1:
-        raise EngineError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+@dataclass(frozen=True)
+class Sampling:
+    """One `generate` call's sampling settings, checked once here so that no engine repeats the checks."""
+
+    n: int  # samples per prompt
+    temperature: float  # 0: greedy
+    top_p: float
+    max_new_tokens: int
+    seed: int
+    rubric_items: int | None  # M: constrain each sample to `constrained.rubric_schema(M)`
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise EngineError(f"generate: n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise EngineError(f"generate: temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise EngineError(f"generate: top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise EngineError(f"generate: max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
 class Engine(abc.ABC):
-    """What every backend offers. Prompts are raw strings, already templated with `chat_prompt`."""
+    """What every backend offers. Prompts are raw strings, already templated with `chat_prompt`.
+
+    A backend implements `_generate`, `yes_probability` and `logprobs`; `generate` itself lives here,
+    so its keyword signature, defaults and argument checks are written once for every backend."""
 
     model_ref: str
     tokenizer: Any  # PreTrainedTokenizerBase
@@ -127,7 +141,6 @@ class Engine(abc.ABC):
             messages, tokenize=False, add_generation_prompt=True, **extra
         )
 
-    @abc.abstractmethod
     def generate(
         self,
         prompts: list[str],
@@ -141,7 +154,18 @@ class Engine(abc.ABC):
         rubric_items: int | None = None,
     ) -> list[Generation]:
         """n samples per prompt; with `rubric_items=M` each sample is constrained to
-        `constrained.rubric_schema(M)` (only a sample cut by max_new_tokens can be incomplete)."""
+        `constrained.rubric_schema(M)` (only a sample cut by max_new_tokens can be incomplete).
+        The settings are checked before anything else, so bad ones fail even with no prompts."""
+        sampling = Sampling(n, temperature, top_p, max_new_tokens, seed, rubric_items)
+        if not prompts:
+            return []
+        return self._generate(prompts, sampling, desc)
+
+    # Not abstract: an engine that only judges (bench/bench_judge_memory.py's) need not sample.
+    def _generate(self, prompts: list[str], sampling: Sampling, desc: str) -> list[Generation]:
+        """The backend's part of `generate`: samples for a non-empty list of prompts, settings checked;
+        `desc` names the progress bar."""
+        raise NotImplementedError(f"{type(self).__name__} does not generate")
 
     def close(self) -> None:
         """Free the model's memory (the engine is unusable afterwards). Idempotent."""
@@ -170,8 +194,9 @@ def free_memory() -> None:
 
 
 def pair_token_ids(tokenizer: Any, pairs: list[tuple[str, str]]) -> list[list[int]]:
-    """Each (prefix, suffix) pair as the token ids of prefix + suffix, encoded without special tokens.
-    The questions about one response come together: its prefix is encoded once (only the last kept)."""
+    """Each (prefix, suffix) pair, checked, as the token ids of prefix + suffix, encoded without special
+    tokens. The questions about one response come together: its prefix is encoded once (the last kept)."""
+    check_pairs(pairs)
     out: list[list[int]] = []
     prefix_ids: dict[str, list[int]] = {}
     for k, (p, s) in enumerate(pairs):

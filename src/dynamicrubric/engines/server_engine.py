@@ -7,7 +7,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynamicrubric.config import ServingConfig
 from dynamicrubric.engines.base import (
@@ -16,14 +16,15 @@ from dynamicrubric.engines.base import (
     Generation,
     answer_token_ids,
     bar_or,
-    check_pairs,
-    check_sampling,
     logsumexp,
     pair_token_ids,
     progress_bar,
     sample_seed,
 )
 from dynamicrubric.models import resolve_model
+
+if TYPE_CHECKING:
+    from dynamicrubric.engines.base import Sampling
 
 log = logging.getLogger(__name__)
 
@@ -190,39 +191,26 @@ class ServerEngine(Engine):
 
     # ---- the engine interface
 
-    def generate(
-        self,
-        prompts: list[str],
-        n: int = 1,
-        *,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        max_new_tokens: int = 128,
-        seed: int = 0,
-        desc: str = "generate",
-        rubric_items: int | None = None,
-    ) -> list[Generation]:
-        """n samples per prompt, one request per prompt seeded from (seed, prompt index) as VLLMEngine
-        seeds its requests; a prompt whose request failed gets n FAILED samples without text."""
-        check_sampling(n, temperature, top_p, max_new_tokens)
-        if not prompts:
-            return []
-        encoded = self._token_ids(prompts, max_new_tokens, "generate")
+    def _generate(self, prompts: list[str], sampling: Sampling, desc: str) -> list[Generation]:
+        """One request per prompt seeded from (seed, prompt index) as VLLMEngine seeds its requests; a
+        prompt whose request failed gets n FAILED samples without text."""
+        n = sampling.n
+        encoded = self._token_ids(prompts, sampling.max_new_tokens, "generate")
         common: dict[str, Any] = {
             "model": self.served_name,
             "n": n,
-            "temperature": temperature,
-            "top_p": top_p,
-            "max_tokens": max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "max_tokens": sampling.max_new_tokens,
             "return_token_ids": True,
         }
-        if rubric_items:
+        if sampling.rubric_items:
             from dynamicrubric.constrained import rubric_grammar
 
-            common["structured_outputs"] = {"grammar": rubric_grammar(rubric_items)}
+            common["structured_outputs"] = {"grammar": rubric_grammar(sampling.rubric_items)}
 
         def one(i: int) -> tuple[Generation, int]:
-            body = {**common, "prompt": encoded[i], "seed": sample_seed(seed, i, 0)}
+            body = {**common, "prompt": encoded[i], "seed": sample_seed(sampling.seed, i, 0)}
             answer = self._request("POST", "/v1/completions", body)
             if answer is None:
                 return Generation([""] * n, [0] * n, [FAILED] * n), n
@@ -246,10 +234,9 @@ class ServerEngine(Engine):
     ) -> list[float]:
         """P(yes) / (P(yes) + P(no)) from the label tokens' log-probs at the next token; NaN where the
         request failed or the answer carries neither label."""
-        check_pairs(pairs)
-        if not pairs:
-            return []
         prompts = pair_token_ids(self.tokenizer, pairs)
+        if not prompts:
+            return []
         too_long = [
             k for k, ids in enumerate(prompts) if self.context_length and len(ids) + 1 > self.context_length
         ]

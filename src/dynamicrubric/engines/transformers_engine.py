@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynamicrubric.engines.base import (
     Engine,
@@ -14,12 +14,14 @@ from dynamicrubric.engines.base import (
     answer_token_ids,
     bar_or,
     check_pairs,
-    check_sampling,
     free_memory,
     progress_bar,
     sample_seed,
 )
 from dynamicrubric.models import resolve_model
+
+if TYPE_CHECKING:
+    from dynamicrubric.engines.base import Sampling
 
 log = logging.getLogger(__name__)
 
@@ -157,29 +159,18 @@ class HFEngine(Engine):
 
     # ---- generation
 
-    def generate(
-        self,
-        prompts: list[str],
-        n: int = 1,
-        *,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        max_new_tokens: int = 128,
-        seed: int = 0,
-        desc: str = "generate",
-        rubric_items: int | None = None,
-    ) -> list[Generation]:
-        """n samples per prompt. Each sample has its own random stream seeded from (seed, prompt, sample),
-        so results do not depend on the batch size. temperature 0 is greedy decoding. With
-        `rubric_items` every batch gets a fresh xgrammar processor (one grammar matcher per row)."""
-        check_sampling(n, temperature, top_p, max_new_tokens)
-        if not prompts:
-            return []
+    def _generate(self, prompts: list[str], sampling: Sampling, desc: str) -> list[Generation]:
+        """Each sample has its own random stream seeded from (seed, prompt, sample), so results do not
+        depend on the batch size. temperature 0 is greedy decoding. With `rubric_items` every batch gets
+        a fresh xgrammar processor (one grammar matcher per row)."""
+        n, rubric_items = sampling.n, sampling.rubric_items
         encoded = self._encode(prompts)
         for i, e in enumerate(encoded):
             if not e:
                 raise EngineError(f"generate: prompt {i} is empty")
-        encoded = [self._fit(e, max_new_tokens, f"generate: prompt {i}") for i, e in enumerate(encoded)]
+        encoded = [
+            self._fit(e, sampling.max_new_tokens, f"generate: prompt {i}") for i, e in enumerate(encoded)
+        ]
         rows = [(i, j) for i in range(len(prompts)) for j in range(n)]
         # Long prompts first, so rows of similar length share a batch (less padding).
         rows.sort(key=lambda r: (-len(encoded[r[0]]), r[0], r[1]))
@@ -191,10 +182,7 @@ class HFEngine(Engine):
                 toks, reasons = self._sample_batch(
                     encoded,
                     batch,
-                    temperature=temperature,
-                    top_p=top_p,
-                    max_new_tokens=max_new_tokens,
-                    seed=seed,
+                    sampling,
                     processor=self._rubric_processor(rubric_items) if rubric_items else None,
                 )
                 for r, t, why in zip(batch, toks, reasons, strict=True):
@@ -247,24 +235,22 @@ class HFEngine(Engine):
         self,
         encoded: list[list[int]],
         batch: list[tuple[int, int]],
-        *,
-        temperature: float,
-        top_p: float,
-        max_new_tokens: int,
-        seed: int,
+        sampling: Sampling,
         processor: Any = None,
     ) -> tuple[list[list[int]], list[str]]:
         """Sample one batch of rows. `processor(input_ids, scores) -> scores` (a transformers-style logits
         processor, used for one batch only) sees at each step the token every row sampled last."""
         import torch
 
+        max_new_tokens = sampling.max_new_tokens
         with torch.inference_mode():
             logits, cache, mask = self._prefill_shared(encoded, [i for i, _ in batch])
             # One stream of uniforms per sample, drawn up front: sample t uses u[:, t].
             u = torch.stack(
                 [
                     torch.rand(
-                        max_new_tokens, generator=torch.Generator().manual_seed(sample_seed(seed, i, j))
+                        max_new_tokens,
+                        generator=torch.Generator().manual_seed(sample_seed(sampling.seed, i, j)),
                     )
                     for i, j in batch
                 ]
@@ -279,7 +265,7 @@ class HFEngine(Engine):
                 logits = logits.float()
                 if processor is not None:
                     logits = processor(last, logits)
-                nxt = _pick(logits, u[:, t], temperature, top_p)
+                nxt = _pick(logits, u[:, t], sampling.temperature, sampling.top_p)
                 nxt = torch.where(finished, torch.full_like(nxt, self.pad_id), nxt)
                 steps.append(nxt)
                 finished |= torch.isin(nxt, stop)

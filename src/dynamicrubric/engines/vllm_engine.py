@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynamicrubric.engines.base import (
     PROGRESS_INTERVAL_S,
@@ -13,14 +13,15 @@ from dynamicrubric.engines.base import (
     EngineError,
     Generation,
     answer_token_ids,
-    check_pairs,
-    check_sampling,
     free_memory,
     logsumexp,
     pair_token_ids,
     sample_seed,
 )
 from dynamicrubric.models import resolve_model
+
+if TYPE_CHECKING:
+    from dynamicrubric.engines.base import Sampling
 
 log = logging.getLogger(__name__)
 
@@ -77,37 +78,23 @@ class VLLMEngine(Engine):
             out.append({"prompt_token_ids": ids})
         return out
 
-    def generate(
-        self,
-        prompts: list[str],
-        n: int = 1,
-        *,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        max_new_tokens: int = 128,
-        seed: int = 0,
-        desc: str = "generate",
-        rubric_items: int | None = None,
-    ) -> list[Generation]:
-        """n samples per prompt, seeded per prompt from (seed, prompt index); with `rubric_items` through
-        vLLM's structured outputs (xgrammar) with the same grammar HFEngine uses."""
-        check_sampling(n, temperature, top_p, max_new_tokens)
-        if not prompts:
-            return []
+    def _generate(self, prompts: list[str], sampling: Sampling, desc: str) -> list[Generation]:
+        """Seeded per prompt from (seed, prompt index); with `rubric_items` through vLLM's structured
+        outputs (xgrammar) with the same grammar HFEngine uses."""
         structured = None
-        if rubric_items:
+        if sampling.rubric_items:
             from dynamicrubric.constrained import rubric_grammar
 
             structured = self._vllm.sampling_params.StructuredOutputsParams(
-                grammar=rubric_grammar(rubric_items)
+                grammar=rubric_grammar(sampling.rubric_items)
             )
         params = [
             self._vllm.SamplingParams(
-                n=n,
-                temperature=temperature,
-                top_p=top_p,
-                max_tokens=max_new_tokens,
-                seed=sample_seed(seed, i, 0),
+                n=sampling.n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=sampling.max_new_tokens,
+                seed=sample_seed(sampling.seed, i, 0),
                 structured_outputs=structured,
             )
             for i in range(len(prompts))
@@ -130,15 +117,15 @@ class VLLMEngine(Engine):
         `logprob_token_ids` asks vLLM for those tokens' log-probs whatever their rank, so the value is
         exact. A vLLM without that parameter falls back to the top-20 log-probs; a verdict with
         neither label among them is NaN (counted by the judge stage), never 0.5."""
-        check_pairs(pairs)
-        if not pairs:
+        token_ids = pair_token_ids(self.tokenizer, pairs)
+        if not token_ids:
             return []
         labels = self.yes_ids + self.no_ids
         try:
             params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=labels)
         except TypeError:  # vLLM without logprob_token_ids
             params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
-        prompts = [{"prompt_token_ids": ids} for ids in pair_token_ids(self.tokenizer, pairs)]
+        prompts = [{"prompt_token_ids": ids} for ids in token_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False if bar else _vllm_progress(desc))
         if bar is not None:
             bar.update(len(prompts))
