@@ -23,11 +23,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "prompts",
         "constrained",
         "task_processes",
-        "_sandbox_child",
-        "_sandbox_launcher",
+        "_sandbox",
     ),
     "io": ("artifacts", "tracking", "models"),
-    "engines": ("engines", "serving", "sandbox"),
+    "engines": ("engines", "serving", "sandbox", "sandbox_launch"),
     "method": (
         "rollout",
         "rubrics",

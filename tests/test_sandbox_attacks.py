@@ -15,7 +15,7 @@ import textwrap
 import pytest
 
 from dynamicrubric import tasks
-from dynamicrubric._sandbox_child import NotPlainError, from_plain, to_plain
+from dynamicrubric._sandbox.child import NotPlainError, from_plain, to_plain
 from dynamicrubric.sandbox import check_humaneval, check_humaneval_many
 
 PROBLEM = "HumanEval/0"

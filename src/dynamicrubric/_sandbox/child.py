@@ -1,8 +1,8 @@
 """The two processes of a sandboxed test run: the trusted judge and the untrusted worker.
 
-Standard library only: the sandbox launcher runs this file's source as
-`python -I -S -c SOURCE judge` or `python -I -S -c SOURCE worker ENTRY_POINT`, inside the sandbox's
-read-only view where this package is not installed.
+Standard library only: `sandbox_launch.py` reads this file's source into the launcher's config, and the
+launcher (`runs.py`) runs it as `python -I -S -c SOURCE judge` or `python -I -S -c SOURCE worker
+ENTRY_POINT`, inside the sandbox's read-only view where this package is not installed.
 
 - The worker (untrusted) runs the completion's program (`main.py`: the problem's prompt plus the
   completion) and then serves calls: it reads `[args, kwargs]` frames on fd 3, calls the entry point
