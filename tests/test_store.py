@@ -15,7 +15,7 @@ import pytest
 from services import SeaweedS3
 
 from dynamicrubric import store
-from dynamicrubric.store import StoreError
+from dynamicrubric.store import StoreError, folders, s3
 
 
 def test_local_write_is_atomic_and_leaves_no_temp(tmp_path):
@@ -129,8 +129,8 @@ def test_folder_upload_download_and_completion(s3_env, tmp_path):
 
 
 def test_multipart_upload_of_large_file(s3_env, tmp_path, monkeypatch):
-    monkeypatch.setattr(store, "MULTIPART_THRESHOLD", 5 * 1024 * 1024)
-    monkeypatch.setattr(store, "PART_SIZE", 5 * 1024 * 1024)
+    monkeypatch.setattr(s3, "MULTIPART_THRESHOLD", 5 * 1024 * 1024)
+    monkeypatch.setattr(s3, "PART_SIZE", 5 * 1024 * 1024)
     data = os.urandom(11 * 1024 * 1024)  # three parts at the 5 MiB minimum
     uri = f"s3://{s3_env}/big.bin"
     store.write_bytes(uri, data)
@@ -168,7 +168,8 @@ def test_server_killed_mid_write_leaves_no_partial_object(tmp_path, monkeypatch)
             """
             import os, sys
             from dynamicrubric import store
-            store.MULTIPART_THRESHOLD = store.PART_SIZE = 5 * 1024 * 1024
+            from dynamicrubric.store import s3
+            s3.MULTIPART_THRESHOLD = s3.PART_SIZE = 5 * 1024 * 1024
             print("start", flush=True)
             store.write_bytes("s3://crash/big.bin", os.urandom(60 * 1024 * 1024))
             print("finished", flush=True)
@@ -253,7 +254,7 @@ def test_stage_survives_a_store_restart_during_its_write(tmp_path, monkeypatch):
             monkeypatch.setenv(key, value)
         monkeypatch.setenv(store.RETRY_BUDGET_ENV, "60")
         store.reset_client()
-        real_upload, outage = store._upload, {}
+        real_upload, outage = s3._upload, {}
 
         def upload_during_an_outage(uri, *args, **kwargs):
             if not outage:  # the first write of the stage's outputs: the server dies just before it
@@ -267,7 +268,7 @@ def test_stage_survives_a_store_restart_during_its_write(tmp_path, monkeypatch):
         cfg = load_config(preset="tiny")
         outs = [f"s3://outage/run/{name}.parquet" for name in ("train", "eval", "anchors")]
         with monkeypatch.context() as m:
-            m.setattr(store, "_upload", upload_during_an_outage)
+            m.setattr(s3, "_upload", upload_during_an_outage)
             counts = run_stage(
                 "prepare_data",
                 cfg.to_yaml(),
@@ -370,7 +371,7 @@ FOLDERS = {
 @pytest.mark.parametrize("where", ["local", "local-without-exchange", "s3"])
 def test_two_folder_writers_never_mix(where, tmp_path, request, monkeypatch):
     if where == "local-without-exchange":  # a filesystem without renameat2(RENAME_EXCHANGE), e.g. NFS
-        monkeypatch.setattr(store, "_exchange", lambda a, b: None)
+        monkeypatch.setattr(folders, "_exchange", lambda a, b: None)
     base = (
         str(tmp_path / "out")
         if where.startswith("local")
@@ -481,8 +482,8 @@ def test_rewrite_with_fewer_files_shows_only_the_new_ones(where, tmp_path, reque
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_two_file_writers_never_mix(where, tmp_path, request, monkeypatch):
     if where == "s3":  # big enough for a multipart upload, where a mix of parts would be possible
-        monkeypatch.setattr(store, "MULTIPART_THRESHOLD", 5 * 1024 * 1024)
-        monkeypatch.setattr(store, "PART_SIZE", 5 * 1024 * 1024)
+        monkeypatch.setattr(s3, "MULTIPART_THRESHOLD", 5 * 1024 * 1024)
+        monkeypatch.setattr(s3, "PART_SIZE", 5 * 1024 * 1024)
     base = str(tmp_path) if where == "local" else f"s3://{request.getfixturevalue('s3_env')}"
     payload = {w: w.encode() * (11 * 1024 * 1024) for w in "AB"}
     for trial in range(TRIALS):

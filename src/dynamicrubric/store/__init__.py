@@ -1,0 +1,86 @@
+"""Read and write URIs: a plain path, `file://...`, or `s3://bucket/key`.
+
+S3 endpoint and credentials come from the standard AWS variables (`AWS_ENDPOINT_URL`,
+`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_DEFAULT_REGION`), so MinIO, SeaweedFS and AWS all
+work. Writes are atomic: a reader sees the old file or the whole new one, and a folder as one writer
+left it, or not at all.
+
+The package, by job:
+- `uris`: telling the kinds of URI apart, parsing and joining them; `StoreError`.
+- `s3`: the S3 client, the budgeted retries around every call, multipart upload, listing.
+- `files`: one file at a URI: read, write, exists, delete, list, and the pre-flight `check_writable`.
+- `folders`: folders published whole behind a completion marker, and a stage's outputs as a set.
+
+Callers use the names re-exported here (`store.write_bytes(...)`, `from dynamicrubric.store import
+StoreError`). A test that replaces a module-level name must replace it in the module that looks it up
+(`dynamicrubric.store.s3.MULTIPART_THRESHOLD`, `dynamicrubric.store.folders._exchange`): setting it
+here only rebinds this package's copy of the name.
+"""
+
+from __future__ import annotations
+
+from dynamicrubric.store.files import (
+    check_writable,
+    delete,
+    exists,
+    list_files,
+    read_bytes,
+    write_bytes,
+)
+from dynamicrubric.store.folders import (
+    COMPLETE_MARKER,
+    VERSIONS_DIR,
+    delete_dir,
+    download_dir,
+    folder_file,
+    is_complete,
+    outputs_as_a_set,
+    pinned_folder,
+    read_manifest,
+    upload_dir,
+)
+from dynamicrubric.store.s3 import (
+    DEFAULT_RETRY_BUDGET_S,
+    DEFAULT_STALE_UPLOAD_S,
+    MULTIPART_THRESHOLD,
+    PART_SIZE,
+    RETRY_BUDGET_ENV,
+    STALE_UPLOAD_ENV,
+    abort_stale_uploads,
+    reset_client,
+    retry_budget_s,
+)
+from dynamicrubric.store.uris import StoreError, is_s3, join, local_path, split_s3
+
+__all__ = [
+    "COMPLETE_MARKER",
+    "DEFAULT_RETRY_BUDGET_S",
+    "DEFAULT_STALE_UPLOAD_S",
+    "MULTIPART_THRESHOLD",
+    "PART_SIZE",
+    "RETRY_BUDGET_ENV",
+    "STALE_UPLOAD_ENV",
+    "VERSIONS_DIR",
+    "StoreError",
+    "abort_stale_uploads",
+    "check_writable",
+    "delete",
+    "delete_dir",
+    "download_dir",
+    "exists",
+    "folder_file",
+    "is_complete",
+    "is_s3",
+    "join",
+    "list_files",
+    "local_path",
+    "outputs_as_a_set",
+    "pinned_folder",
+    "read_bytes",
+    "read_manifest",
+    "reset_client",
+    "retry_budget_s",
+    "split_s3",
+    "upload_dir",
+    "write_bytes",
+]
