@@ -34,13 +34,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import pandas as pd
 import yaml
 
 from bench import RESULTS, machine_info, print_table, write_result
 from dynamicrubric import tasks
-from dynamicrubric.artifacts import read_frame, write_artifact
+from dynamicrubric.artifacts import write_artifact
 from dynamicrubric.config import load_config
 from dynamicrubric.training import launcher
+from dynamicrubric.training.data import TrainingJob
 
 PARTS = (
     "time/generation_s",
@@ -86,19 +88,21 @@ def main(argv: list[str] | None = None) -> int:
         prompts = str(work / "prompts.parquet")
         write_artifact(prompts, "prompts", tasks.configured_prompts(cfg.data, "train"))
         started = time.perf_counter()
-        launcher.launch(
-            "train-policy",
+        result = launcher.launch(
             cfg,
-            prompts_uri=prompts,
-            policy=args.model,
-            generator=args.model,
-            out_uri=str(work / "policy"),
-            steps_uri=str(work / "steps"),
-            metrics_uri=str(work / "metrics.parquet"),
-            round_idx=1,
+            TrainingJob(
+                "train-policy",
+                prompts_uri=prompts,
+                policy=args.model,
+                generator=args.model,
+                out_uri=str(work / "policy"),
+                steps_uri=str(work / "steps"),
+                metrics_uri=str(work / "metrics.parquet"),
+                round_idx=1,
+            ),
         )
         wall = time.perf_counter() - started
-        metrics = read_frame(str(work / "metrics.parquet"), "metrics")
+        metrics = pd.DataFrame(result["timings"])  # the time/* rows: not in the metrics artifact
         timed = metrics[metrics["name"].isin(PARTS) & (metrics["step"] > 1)]
         per_step = timed.groupby("name")["value"].mean().to_dict()
 

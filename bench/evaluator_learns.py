@@ -38,6 +38,7 @@ from dynamicrubric.artifacts import empty_table, read_frame, write_artifact
 from dynamicrubric.config import Config, load_config
 from dynamicrubric.stages.runner import run_stage
 from dynamicrubric.training import launcher
+from dynamicrubric.training.data import TrainingJob
 
 HERE = Path(__file__).parent
 AUDIT_SEED = 4242  # the same rubric-sampling seed for G_0 and G_1: only the generator differs
@@ -147,16 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     timed("audit_g0_s", started)
 
     started = time.perf_counter()
-    launcher.launch(
-        "train-evaluator",
+    result = launcher.launch(
         cfg,
-        candidates=[train_sets],
-        anchors=[train_ranked],
-        generator=cfg.models.generator,
-        out_uri=str(work / "generator"),
-        steps_uri=str(work / "steps"),
-        metrics_uri=str(work / "metrics.parquet"),
-        round_idx=1,
+        TrainingJob(
+            "train-evaluator",
+            candidates=[train_sets],
+            anchors=[train_ranked],
+            generator=cfg.models.generator,
+            out_uri=str(work / "generator"),
+            steps_uri=str(work / "steps"),
+            metrics_uri=str(work / "metrics.parquet"),
+            round_idx=1,
+        ),
     )
     timed("train_s", started)
 
@@ -165,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     timed("audit_g1_s", started)
 
     after = after.reindex(before.index)
-    metrics = read_frame(str(work / "metrics.parquet"), "metrics")
+    # time/step_s comes with the result: the metrics artifact holds what a rerun reproduces
+    metrics = pd.concat(
+        [read_frame(str(work / "metrics.parquet"), "metrics"), pd.DataFrame(result["timings"])]
+    )
     curve = {
         name: group.sort_values("step")["value"].round(6).tolist()
         for name, group in metrics.groupby("name")

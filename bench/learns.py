@@ -32,6 +32,7 @@ from dynamicrubric.evaluate import check_samples
 from dynamicrubric.models import resolve_model
 from dynamicrubric.rollout import sample_rollouts
 from dynamicrubric.training import launcher
+from dynamicrubric.training.data import TrainingJob
 
 HERE = Path(__file__).parent
 EVAL_SEED = 12345  # the same sampling seed before and after training: a paired comparison
@@ -67,15 +68,17 @@ def main(argv: list[str] | None = None) -> int:
     timings["eval_before_s"] = time.perf_counter() - started
 
     started = time.perf_counter()
-    launcher.launch(
-        "train-policy",
+    result = launcher.launch(
         cfg,
-        prompts_uri=str(work / "prompts.parquet"),
-        policy=policy,
-        out_uri=str(work / "policy"),
-        steps_uri=str(work / "steps"),
-        metrics_uri=str(work / "metrics.parquet"),
-        round_idx=1,
+        TrainingJob(
+            "train-policy",
+            prompts_uri=str(work / "prompts.parquet"),
+            policy=policy,
+            out_uri=str(work / "policy"),
+            steps_uri=str(work / "steps"),
+            metrics_uri=str(work / "metrics.parquet"),
+            round_idx=1,
+        ),
     )
     timings["train_s"] = time.perf_counter() - started
 
@@ -83,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     after = per_prompt_accuracy(cfg, str(work / "policy"), eval_prompts)
     timings["eval_after_s"] = time.perf_counter() - started
 
-    metrics = read_frame(str(work / "metrics.parquet"), "metrics")
+    # time/step_s comes with the result: the metrics artifact holds what a rerun reproduces
+    metrics = pd.concat(
+        [read_frame(str(work / "metrics.parquet"), "metrics"), pd.DataFrame(result["timings"])]
+    )
     curve = {
         name: group.sort_values("step")["value"].round(6).tolist()
         for name, group in metrics.groupby("name")

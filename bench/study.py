@@ -137,6 +137,7 @@ def step_costs(cfg: Config, work: Path, steps: int = 2) -> dict[str, Any]:
     from dynamicrubric.evaluate import run_evaluate
     from dynamicrubric.stages.runner import run_stage
     from dynamicrubric.training import launcher
+    from dynamicrubric.training.data import TrainingJob
 
     probe = cfg.model_copy(
         update={
@@ -176,17 +177,18 @@ def step_costs(cfg: Config, work: Path, steps: int = 2) -> dict[str, Any]:
         ("train-policy", {"prompts_uri": prompts, "policy": probe.models.policy}),
     ):
         metrics_uri = str(work / f"{trainer}.metrics.parquet")
-        launcher.launch(
-            trainer,
+        result = launcher.launch(
             probe,
-            out_uri=str(work / trainer),
-            steps_uri=str(work / f"{trainer}.steps"),
-            metrics_uri=metrics_uri,
-            round_idx=1,
-            **kwargs,
+            TrainingJob(
+                trainer,
+                out_uri=str(work / trainer),
+                steps_uri=str(work / f"{trainer}.steps"),
+                metrics_uri=metrics_uri,
+                round_idx=1,
+                **kwargs,
+            ),
         )
-        m = read_frame(metrics_uri, "metrics")
-        timing = m[m["name"].str.startswith("time/")].groupby("name")["value"].mean()
+        timing = pd.DataFrame(result["timings"]).groupby("name")["value"].mean()  # not in the artifact
         curves[trainer] = {name: round(float(v), 1) for name, v in timing.items()}
     return {
         "steps_measured": steps,
@@ -338,7 +340,7 @@ def run_variant(
         "stages": stage_runs(cfg, local.parent_run_id),
         "evaluate": {"intervals": round_intervals(units), "units": units_json(units)},
         "audit": audit_intervals(outputs),
-        "steps": step_curves(outputs),
+        "steps": step_curves(outputs, cfg, local.parent_run_id),
     }
 
 
@@ -441,17 +443,33 @@ STEP_METRICS = (
 )  # fmt: skip
 
 
-def step_curves(outputs: dict[tuple[str, str], dict[int, str]]) -> dict[str, dict[str, dict[str, list]]]:
-    """Trainer -> round -> metric -> per-step values, from the trainers' metrics artifacts."""
+def step_curves(
+    outputs: dict[tuple[str, str], dict[int, str]], cfg: Config, parent_run_id: str
+) -> dict[str, dict[str, dict[str, list]]]:
+    """Trainer -> round -> metric -> per-step values, from the trainers' metrics artifacts and, for the
+    time/* measurements (which the artifacts leave out, so that a rerun reproduces them), from the
+    trainer's MLflow run."""
+    client = tracking.mlflow_client(cfg)
+    runs = {
+        (run.data.tags[tracking.STAGE_TAG], round_idx): run.info.run_id
+        for round_idx, round_runs in tracking.stage_runs_by_round(cfg, parent_run_id).items()
+        for run in round_runs
+    }
     out: dict[str, dict[str, dict[str, list]]] = {}
     for trainer in ("train-evaluator", "train-policy"):
         for t, uri in sorted(outputs.get((trainer, ""), {}).items()):
             m = read_frame(uri, "metrics")
-            m = m[m["name"].isin(STEP_METRICS)]
-            out.setdefault(trainer, {})[str(t)] = {
+            curves = {
                 name: [round(float(v), 6) for v in g.sort_values("step")["value"]]
-                for name, g in m.groupby("name")
+                for name, g in m[m["name"].isin(STEP_METRICS)].groupby("name")
             }
+            variant = str(m["variant"].iloc[0]) if len(m) else ""
+            for name in (n for n in STEP_METRICS if n.startswith("time/")):
+                key = f"{variant}/{name}" if variant else name
+                history = sorted(client.get_metric_history(runs[(trainer, t)], key), key=lambda x: x.step)
+                if history:
+                    curves[name] = [round(float(x.value), 6) for x in history]
+            out.setdefault(trainer, {})[str(t)] = dict(sorted(curves.items()))
     return out
 
 

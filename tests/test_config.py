@@ -111,6 +111,14 @@ def test_a_second_tensor_parallel_setting_is_refused():
     assert cfg.engine.tensor_parallel_size == 2
 
 
+def test_a_key_that_would_reach_no_trainer_setting_is_refused():
+    """The generator's two rewards are normalised by TRL's normalize_then_sum, which never reads
+    scale_rewards: the key is the policy's alone, and the generator's is refused, naming it."""
+    assert load_config(preset="tiny", overrides={"train_policy": {"scale_rewards": "batch"}})
+    with pytest.raises(ConfigError, match=r"train_evaluator\.scale_rewards"):
+        load_config(preset="tiny", overrides={"train_evaluator": {"scale_rewards": "batch"}})
+
+
 def test_policy_thinking_is_off_by_default_and_configurable():
     assert Config().models.enable_thinking.policy is False
     assert load_config(preset="paper").models.enable_thinking.policy is False

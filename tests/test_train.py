@@ -7,6 +7,7 @@ the same `accelerate launch` path the pipeline's training components use.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -26,6 +27,7 @@ from dynamicrubric.engines import load_engine
 from dynamicrubric.models import resolve_model
 from dynamicrubric.rollout import policy_prompt
 from dynamicrubric.training import checkpoints, data, grpo, launcher
+from dynamicrubric.training.data import TrainingJob
 
 FAST = {"steps": 1, "prompts_per_step": 2, "micro_batch_size": 4, "learning_rate": 5e-3, "torch_threads": 1}
 
@@ -45,22 +47,28 @@ def _prompts(folder: Path, cfg) -> str:
 
 def _train_policy(cfg, folder: Path, **kwargs) -> dict:
     return launcher.launch(
-        "train-policy",
         cfg,
-        prompts_uri=_prompts(folder, cfg),
-        policy="tiny-random",
-        generator="tiny-random",
-        out_uri=str(folder / "policy"),
-        steps_uri=str(folder / "steps"),
-        metrics_uri=str(folder / "metrics.parquet"),
-        round_idx=1,
-        **kwargs,
+        TrainingJob(
+            "train-policy",
+            prompts_uri=_prompts(folder, cfg),
+            policy="tiny-random",
+            generator="tiny-random",
+            out_uri=str(folder / "policy"),
+            steps_uri=str(folder / "steps"),
+            metrics_uri=str(folder / "metrics.parquet"),
+            round_idx=1,
+            **kwargs,
+        ),
     )
 
 
-def kill_after_checkpoint(args: list[str], step: int, env: dict[str, str] | None = None) -> None:
+def kill_after_checkpoint(cfg, job: TrainingJob, step: int, env: dict[str, str] | None = None) -> None:
     """A training launch SIGKILLed (with its whole process group) once the trainer checkpoint of `step`
     is stored: the trainer stalls there (checkpoints.STALL_ENV) until the kill."""
+    files = Path(job.steps_uri).parent
+    (files / "config.yaml").write_text(cfg.to_yaml())
+    (files / "job.json").write_text(job.to_json())
+    args = ["--config", str(files / "config.yaml"), "--job", str(files / "job.json")]
     env = {**os.environ, **(env or {}), checkpoints.STALL_ENV: str(step)}
     proc = subprocess.Popen(
         launcher.launch_command(1, args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -107,7 +115,7 @@ def test_policy_step_moves_probability_towards_higher_scores(tmp_path):
 
 def test_per_step_artifacts_validate_and_metrics_are_recorded(tmp_path):
     cfg = _cfg(train_policy={"steps": 2})
-    _train_policy(cfg, tmp_path)
+    final = _train_policy(cfg, tmp_path)
     for step in (1, 2):
         folder = tmp_path / "steps" / f"step-{step:05d}"
         for kind in ("rollouts", "rubrics", "judgments", "scores", "rewards", "diagnostics", "metrics"):
@@ -116,10 +124,17 @@ def test_per_step_artifacts_validate_and_metrics_are_recorded(tmp_path):
     metrics = read_frame(str(tmp_path / "metrics.parquet"), "metrics")
     names = set(metrics["name"])
     for name in ("reward_mean", "reward_std", "kl", "entropy", "signal/tie_rate", "signal/uniformity_rate",
-                 "judge/yes_rate", "rubrics/parse_rate", "time/step_s", "time/generation_s",
-                 "time/reward_s", "time/update_s"):  # fmt: skip
+                 "judge/yes_rate", "rubrics/parse_rate"):  # fmt: skip
         assert name in names, name
     assert sorted(set(metrics["step"])) == [1, 2]
+    # The time measurements come back apart (for MLflow): a rerun could not write the same artifact
+    assert not any(name.startswith("time/") for name in names)
+    timings = pd.DataFrame(final["timings"])
+    for name in ("time/step_s", "time/generation_s", "time/reward_s", "time/update_s"):
+        assert sorted(timings[timings["name"] == name]["step"]) == [1, 2], name
+    summary = json.loads((tmp_path / "policy" / checkpoints.SUMMARY_FILE).read_text())
+    assert final["train_wall_s"] > 0 and "train_wall_s" not in summary["final"]
+    assert not any(row["name"].startswith("time/") for row in summary["metrics_rows"])
     assert store.is_complete(str(tmp_path / "policy"))
     assert not Path(f"{tmp_path / 'policy'}.work").exists()  # trainer checkpoints cleaned up
 
@@ -132,10 +147,9 @@ def test_prompts_with_and_without_reference_and_meta_train(tmp_path):
     rows[1]["reference"] = rows[2]["meta"] = rows[3]["reference"] = rows[3]["meta"] = None
     uri = str(tmp_path / "mixed.parquet")
     write_artifact(uri, "prompts", rows)
-    launcher.launch(
-        "train-policy", cfg, prompts_uri=uri, policy="tiny-random", generator="tiny-random",
+    launcher.launch(cfg, TrainingJob("train-policy", prompts_uri=uri, policy="tiny-random", generator="tiny-random",
         out_uri=str(tmp_path / "policy"), steps_uri=str(tmp_path / "steps"), round_idx=1,
-    )  # fmt: skip
+    ))  # fmt: skip
     assert store.is_complete(str(tmp_path / "policy"))
     assert read_frame(uri, "prompts")["reference"].isna().sum() == 2  # the file really mixes them
 
@@ -188,15 +202,17 @@ def test_evaluator_step_follows_the_mixed_advantage(tmp_path):
     cfg = _cfg(aggregate={"soft": True}, train_evaluator={"prompts_per_step": 4, "micro_batch_size": 4})
     cand, ranked = _candidate_sets(tmp_path, cfg)
     final = launcher.launch(
-        "train-evaluator",
         cfg,
-        candidates=[cand],
-        anchors=[ranked],
-        generator="tiny-random",
-        out_uri=str(tmp_path / "generator"),
-        steps_uri=str(tmp_path / "steps"),
-        metrics_uri=str(tmp_path / "metrics.parquet"),
-        round_idx=1,
+        TrainingJob(
+            "train-evaluator",
+            candidates=[cand],
+            anchors=[ranked],
+            generator="tiny-random",
+            out_uri=str(tmp_path / "generator"),
+            steps_uri=str(tmp_path / "steps"),
+            metrics_uri=str(tmp_path / "metrics.parquet"),
+            round_idx=1,
+        ),
     )
     step = tmp_path / "steps" / "step-00001"
     rubrics = read_frame(str(step / "rubrics.parquet"), "rubrics")
@@ -249,25 +265,13 @@ def test_sigkill_mid_run_then_rerun_equals_uninterrupted(tmp_path):
 
     folder = tmp_path / "killed"
     folder.mkdir()
-    config = folder / "config.yaml"
-    config.write_text(cfg.to_yaml())
-    args = ["train-policy", "--config", str(config), "--prompts-uri", _prompts(folder, cfg), "--policy",
-            "tiny-random", "--generator", "tiny-random", "--out-uri", str(folder / "policy"),
-            "--steps-uri", str(folder / "steps"), "--round-idx", "1"]  # fmt: skip
-    kill_after_checkpoint(args, step=2)
+    job = TrainingJob("train-policy", str(folder / "policy"), str(folder / "steps"), round_idx=1,
+                      policy="tiny-random", generator="tiny-random", prompts_uri=_prompts(folder, cfg))  # fmt: skip
+    kill_after_checkpoint(cfg, job, step=2)
     assert store.is_complete(str(folder / "policy.work" / "checkpoint-00002"))
     assert not store.is_complete(str(folder / "policy"))
 
-    launcher.launch(
-        "train-policy",
-        cfg,
-        prompts_uri=str(folder / "prompts.parquet"),
-        policy="tiny-random",
-        generator="tiny-random",
-        out_uri=str(folder / "policy"),
-        steps_uri=str(folder / "steps"),
-        round_idx=1,
-    )
+    launcher.launch(cfg, job)
     for step in (3, 4):  # the resumed steps sampled and scored exactly what the uninterrupted run did
         rel = Path("steps") / f"step-{step:05d}" / "rollouts.parquet"
         assert (tmp_path / "whole" / rel).read_bytes() == (folder / rel).read_bytes(), rel
@@ -293,10 +297,8 @@ def test_a_misconfigured_run_fails_before_training(tmp_path):
     # one process started for a config that asks for two: refused before any model is loaded
     cfg = _cfg(train_policy={"world_size": 2})
     with pytest.raises(ValueError, match="world_size is 2 in the config but 1 process"):
-        grpo.train_policy(
-            cfg, prompts_uri=_prompts(tmp_path, cfg), policy="tiny-random", out_uri=str(tmp_path / "p"),
-            steps_uri=str(tmp_path / "s"),
-        )  # fmt: skip
+        grpo.train(cfg, TrainingJob("train-policy", str(tmp_path / "p"), str(tmp_path / "s"),
+                                    policy="tiny-random", prompts_uri=_prompts(tmp_path, cfg)))  # fmt: skip
     assert not (tmp_path / "p").exists()
 
 
@@ -353,10 +355,9 @@ def test_online_trainers_on_vllm(tmp_path):
     assert store.is_complete(str(tmp_path / "policy-run" / "policy")) and "reward_mean" in final
     assert final["judge/calls_ok"] > 0 and final["rewards/failed_groups"] == 0
     cand, ranked = _candidate_sets(tmp_path, cfg)
-    final = launcher.launch(
-        "train-evaluator", cfg, candidates=[cand], anchors=[ranked], generator="tiny-random",
+    final = launcher.launch(cfg, TrainingJob("train-evaluator", candidates=[cand], anchors=[ranked], generator="tiny-random",
         out_uri=str(tmp_path / "generator"), steps_uri=str(tmp_path / "steps"), round_idx=1,
-    )  # fmt: skip
+    ))  # fmt: skip
     assert final["rubrics/parse_rate"] == 1.0
 
 

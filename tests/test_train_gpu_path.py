@@ -25,6 +25,7 @@ from test_train import _cfg, _prompts, _train_policy, kill_after_checkpoint
 from dynamicrubric import store
 from dynamicrubric.models import cache_dir, resolve_model
 from dynamicrubric.training import checkpoints, launcher, monitoring
+from dynamicrubric.training.data import TrainingJob
 
 
 def test_launch_command_has_cpu_only_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -204,23 +205,17 @@ def test_a_killed_task_resumes_in_a_fresh_scratch_from_its_s3_work_prefix(
     out_uri = f"s3://{s3_env}/run/policy"
     folder = tmp_path / "killed"
     folder.mkdir()
-    config = folder / "config.yaml"
-    config.write_text(cfg.to_yaml())
-    args = ["train-policy", "--config", str(config), "--prompts-uri", _prompts(folder, cfg), "--policy",
-            "tiny-random", "--generator", "tiny-random", "--out-uri", out_uri, "--steps-uri",
-            str(folder / "steps"), "--round-idx", "1"]  # fmt: skip
+    job = TrainingJob("train-policy", out_uri, str(folder / "steps"), round_idx=1, policy="tiny-random",
+                      generator="tiny-random", prompts_uri=_prompts(folder, cfg))  # fmt: skip
     first_cache = tmp_path / "first-pod-cache"
-    kill_after_checkpoint(args, step=2, env={"DYNRUBRIC_CACHE": str(first_cache)})
+    kill_after_checkpoint(cfg, job, step=2, env={"DYNRUBRIC_CACHE": str(first_cache)})
     assert store.is_complete(f"{out_uri}.work/checkpoint-00002")
     assert not store.is_complete(out_uri)
     shutil.rmtree(first_cache)  # the first pod's node-local scratch is gone with it
 
     monkeypatch.setenv("DYNRUBRIC_CACHE", str(tmp_path / "second-pod-cache"))
     capfd.readouterr()
-    launcher.launch(
-        "train-policy", cfg, prompts_uri=str(folder / "prompts.parquet"), policy="tiny-random",
-        generator="tiny-random", out_uri=out_uri, steps_uri=str(folder / "steps"), round_idx=1,
-    )  # fmt: skip
+    launcher.launch(cfg, job)
     # a rerun from step 0 would end with the same weights too: it must say it resumed from the store
     assert f"resuming from {out_uri}.work/checkpoint-00002" in capfd.readouterr().err
     for step in (3, 4):  # the resumed steps sampled exactly what the uninterrupted run did

@@ -33,6 +33,7 @@ from dynamicrubric.config_sections import (
     ModelsConfig,
     ModelSizes,
     PipelineConfig,
+    PolicyTrainConfig,
     RolloutConfig,
     RubricsConfig,
     Section,
@@ -72,6 +73,7 @@ __all__ = [
     "TENSOR_PARALLEL_ENV",
     "ThinkingConfig",
     "Toleration",
+    "PolicyTrainConfig",
     "TrainConfig",
     "check_gpu_memory_plan",
     "config_from_yaml",
@@ -97,7 +99,7 @@ class Config(Section):
     judge: JudgeConfig = JudgeConfig()
     aggregate: AggregateConfig = AggregateConfig()
     train_evaluator: EvaluatorTrainConfig = EvaluatorTrainConfig(learning_rate=5e-6)
-    train_policy: TrainConfig = TrainConfig(learning_rate=1e-6)
+    train_policy: PolicyTrainConfig = PolicyTrainConfig(learning_rate=1e-6)
     evaluate: EvaluateConfig = EvaluateConfig()
     pipeline: PipelineConfig = PipelineConfig()
 

@@ -171,7 +171,6 @@ class TrainConfig(Section):
     # dapo: the policy-gradient loss is averaged over every completion token of the step, so long and
     # short completions weigh per token (no length bias) and the scale does not depend on max length.
     loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = "dapo"
-    scale_rewards: Literal["group", "batch", "none"] = "group"  # group: the paper's group-normalised A
     lora_rank: int = Field(0, ge=0)  # 0: full finetune
     lora_alpha: int = Field(32, ge=1)
     gradient_checkpointing: bool = False  # slow for small models on CPU; on for 8B on GPU
@@ -192,6 +191,12 @@ class TrainConfig(Section):
     activation_memory_gib: float = Field(16.0, ge=0)
     torch_threads: int | None = Field(None, ge=1)  # None: torch's default
     seed: int = 0
+
+
+class PolicyTrainConfig(TrainConfig):
+    # group: the paper's group-normalised advantage. The generator has no such key: its two rewards are
+    # normalised each within its group by TRL's normalize_then_sum, which never reads scale_rewards.
+    scale_rewards: Literal["group", "batch", "none"] = "group"
 
 
 class EvaluatorTrainConfig(TrainConfig):

@@ -189,10 +189,13 @@ class StageRun:
         """Log a `metrics` artifact: per-step rows with their step, the rest at step 0."""
         from dynamicrubric.artifacts import read_frame
 
-        frame = read_frame(uri, "metrics")
-        for row in frame.itertuples():
-            key = f"{row.variant}/{row.name}" if row.variant else row.name
-            self.mlflow.log_metric(key, row.value, step=int(row.step))
+        self.log_metric_rows(read_frame(uri, "metrics").to_dict("records"))
+
+    def log_metric_rows(self, rows: list[dict]) -> None:
+        """Rows shaped as a `metrics` artifact's (name, value, step, variant), each at its step."""
+        for row in rows:
+            key = f"{row['variant']}/{row['name']}" if row["variant"] else row["name"]
+            self.mlflow.log_metric(key, row["value"], step=int(row["step"]))
 
     def log_model(self, run_name: str, name: str, uri: str, params: dict[str, str] | None = None) -> str:
         """An external LoggedModel pointing at a checkpoint's URI, listed in this run's model outputs;
@@ -246,10 +249,15 @@ def find_pipeline_run(cfg: Config, run_name: str) -> str | None:
     return runs[0].info.run_id if runs else None
 
 
+def mlflow_client(cfg: Config):
+    """An MLflow client of the config's tracking store."""
+    return _mlflow(cfg).MlflowClient()
+
+
 def stage_runs_by_round(cfg: Config, parent_run_id: str) -> dict[int, list]:
     """The stage runs of one pipeline run, by round: round 0's sit under the parent run, the others
     under their round's run. Every round run appears, with [] when none of its stages ran."""
-    client = _mlflow(cfg).MlflowClient()
+    client = mlflow_client(cfg)
     experiment = client.get_run(parent_run_id).info.experiment_id
 
     def children(run_id: str) -> list:

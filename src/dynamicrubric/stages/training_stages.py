@@ -16,38 +16,21 @@ from dynamicrubric.stages.spec import Data, Stage
 def _train_lineage(role: str):
     def lineage(run, run_name: str, round_idx: int, values: dict, result: dict) -> None:
         run.log_metrics_table(values["out_metrics"])
+        run.log_metric_rows(result.get("timings", []))  # measurements: in MLflow, not in the artifacts
         run.log_model(run_name, f"{role}-round-{round_idx}", values[f"out_{role}"], {"base": values[role]})
 
     return lineage
 
 
-def train_evaluator(
-    cfg: Config,
-    round_idx: int,
-    *,
-    generator,
-    verifier,
-    candidate_sets,
-    anchors,
-    out_generator,
-    out_steps,
-    out_metrics,
-):
+def train_evaluator(cfg: Config, round_idx: int, *, generator, verifier, candidate_sets, anchors, **out):
     """Online GRPO on the generator over P_{t−1}'s candidate sets (see dynamicrubric.training)."""
+    from dynamicrubric.training.data import TrainingJob
     from dynamicrubric.training.launcher import launch
 
-    return launch(
-        "train-evaluator",
-        cfg,
-        candidates=list(candidate_sets),
-        anchors=list(anchors),
-        generator=generator,
-        verifier=verifier,
-        out_uri=out_generator,
-        steps_uri=out_steps,
-        metrics_uri=out_metrics,
-        round_idx=round_idx,
-    )
+    outputs = (out["out_generator"], out["out_steps"], out["out_metrics"], round_idx)
+    models = {"generator": generator, "verifier": verifier}
+    job = TrainingJob("train-evaluator", *outputs, candidates=candidate_sets, anchors=anchors, **models)
+    return launch(cfg, job)
 
 
 STEPS = Data("steps", "folder", "folder for the per-step artifacts", kfp_type="Artifact")
@@ -72,24 +55,16 @@ TRAIN_EVALUATOR = Stage(
 )
 
 
-def train_policy(
-    cfg: Config, round_idx: int, *, policy, generator, verifier, prompts, out_policy, out_steps, out_metrics
-):
+def train_policy(cfg: Config, round_idx: int, *, policy, generator, verifier, prompts, **out):
     """Online GRPO on the policy, rewarded by the round's evaluator (see dynamicrubric.training)."""
+    from dynamicrubric.training.data import TrainingJob
     from dynamicrubric.training.launcher import launch
 
-    return launch(
-        "train-policy",
-        cfg,
-        prompts_uri=prompts,
-        policy=policy,
-        generator=generator,
-        verifier=verifier,
-        out_uri=out_policy,
-        steps_uri=out_steps,
-        metrics_uri=out_metrics,
-        round_idx=round_idx,
+    outputs = (out["out_policy"], out["out_steps"], out["out_metrics"], round_idx)
+    job = TrainingJob(
+        "train-policy", *outputs, policy=policy, generator=generator, verifier=verifier, prompts_uri=prompts
     )
+    return launch(cfg, job)
 
 
 TRAIN_POLICY = Stage(

@@ -17,51 +17,40 @@ from typing import Any
 
 import torch
 
-from dynamicrubric.config import Config, TrainConfig
+from dynamicrubric.config import Config
+from dynamicrubric.training.data import Trainee
 
 
-def grpo_arguments(
-    cfg: Config,
-    tcfg: TrainConfig,
-    *,
-    output_dir: str,
-    accumulation: int,
-    num_generations: int,
-    sampling: tuple[float, float, int],
-    reward_weights: list[float] | None,
-    bf16: bool,
-    constrain_items: int | None,
-    enable_thinking: bool | None,
-) -> Any:
+def grpo_arguments(cfg: Config, trainee: Trainee, output_dir: str, accumulation: int, bf16: bool) -> Any:
     """The stage's GRPOConfig: TRL's vLLM colocate mode where the engine is vLLM (it shares the GPU with
     training), the rubric grammar there when the generator's rubrics are constrained."""
     from trl import GRPOConfig
 
     cuda = torch.cuda.is_available()
     vllm = cfg.engine.engine == "vllm"
-    temperature, top_p, max_new_tokens = sampling
+    tcfg, weights, thinking = trainee.tcfg, trainee.reward_weights, trainee.enable_thinking
     generation_kwargs = None
-    if vllm and constrain_items:
+    if vllm and trainee.constrain_items:
         from dynamicrubric.constrained import rubric_grammar
 
-        generation_kwargs = {"structured_outputs": {"grammar": rubric_grammar(constrain_items)}}
+        generation_kwargs = {"structured_outputs": {"grammar": rubric_grammar(trainee.constrain_items)}}
     return GRPOConfig(
         output_dir=output_dir,
         max_steps=tcfg.steps,
         per_device_train_batch_size=tcfg.micro_batch_size,
         gradient_accumulation_steps=accumulation,
-        num_generations=num_generations,
-        max_completion_length=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
+        num_generations=trainee.num_generations,
+        max_completion_length=trainee.max_new_tokens,
+        temperature=trainee.temperature,
+        top_p=trainee.top_p,
         learning_rate=tcfg.learning_rate,
         lr_scheduler_type="constant",  # online RL: every step's samples are new, no schedule to anneal
         beta=tcfg.beta,
         epsilon=tcfg.clip_eps,
         loss_type=tcfg.loss_type,
-        scale_rewards=tcfg.scale_rewards,
-        multi_objective_aggregation="normalize_then_sum" if reward_weights else "sum_then_normalize",
-        reward_weights=reward_weights,
+        scale_rewards=trainee.scale_rewards or "group",  # the generator's: unread by normalize_then_sum
+        multi_objective_aggregation="normalize_then_sum" if weights else "sum_then_normalize",
+        reward_weights=weights,
         max_grad_norm=tcfg.max_grad_norm,
         seed=tcfg.seed,
         bf16=bf16,
@@ -80,5 +69,5 @@ def grpo_arguments(
         vllm_max_model_length=cfg.engine.max_model_len,
         generation_kwargs=generation_kwargs,
         # the same template the standalone stages render (rollout.policy_prompt, the rubrics stage)
-        chat_template_kwargs=None if enable_thinking is None else {"enable_thinking": enable_thinking},
+        chat_template_kwargs=None if thinking is None else {"enable_thinking": thinking},
     )

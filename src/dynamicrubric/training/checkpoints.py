@@ -208,9 +208,7 @@ def gather_weights(trainer) -> dict[str, torch.Tensor]:
     return state_dict
 
 
-def write_checkpoint(
-    weights, path, tcfg, tokenizer, out_uri, stage, round_idx, model_ref, final, rows
-) -> None:
+def write_checkpoint(weights, path, tcfg, tokenizer, job, final: dict, rows: list[dict]) -> None:
     """A plain HF folder: the trained model (LoRA merged in) in the starting dtype, and a summary.
 
     Rank 0 alone, so nothing here may be a collective: the gathered weights are loaded into a fresh
@@ -226,18 +224,18 @@ def write_checkpoint(
     model.load_state_dict(weights)  # strict: a key the trainer's model had and this one lacks is an error
     if tcfg.lora_rank:
         model = model.merge_and_unload()
-    with tempfile.TemporaryDirectory(dir=scratch_folder(out_uri).parent) as tmp:
+    with tempfile.TemporaryDirectory(dir=scratch_folder(job.out_uri).parent) as tmp:
         folder = Path(tmp) / "export"
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         summary = {
-            "stage": stage,
-            "round": round_idx,
-            "model_ref": model_ref,
+            "stage": job.stage,
+            "round": job.round_idx,
+            "model_ref": job.model_ref,
             "config": tcfg.model_dump(mode="json"),
             "final": final,
             "metrics_rows": rows,
         }
         (folder / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
-        store.upload_dir(folder, out_uri)  # _COMPLETE last
-    log.info("%s: wrote checkpoint %s", stage, out_uri)
+        store.upload_dir(folder, job.out_uri)  # _COMPLETE last
+    log.info("%s: wrote checkpoint %s", job.stage, job.out_uri)

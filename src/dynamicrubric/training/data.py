@@ -1,15 +1,108 @@
-"""A training stage's inputs: its dataset (one row per prompt, or per candidate set), read from the
-stage's artifacts and checked before any model loads (the batch splits, the prompts fit the context)."""
+"""A training stage's inputs: the job (its artifacts and models), what differs between the two
+trainers, and its dataset (one row per prompt, or per candidate set), read from the stage's artifacts
+and checked before any model loads (the batch splits, the prompts fit the context)."""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import json
+from dataclasses import dataclass
 
 import pandas as pd
 
 from dynamicrubric.artifacts import read_artifact, read_frames
-from dynamicrubric.config import Config, SeedPurpose, TrainConfig, round_seed
+from dynamicrubric.config import (
+    Config,
+    PolicyTrainConfig,
+    SeedPurpose,
+    TrainConfig,
+    policy_variant,
+    round_seed,
+)
 from dynamicrubric.models import resolve_model
+
+STAGES = ("train-policy", "train-evaluator")
+
+
+@dataclass(frozen=True)
+class TrainingJob:
+    """One training stage's work: what it reads and writes. The launcher hands it to every training
+    process as JSON; the trainer and its reward functions read it from there."""
+
+    stage: str  # one of STAGES
+    out_uri: str  # the checkpoint folder to write
+    steps_uri: str  # the folder for each step's scoring artifacts
+    metrics_uri: str | None = None  # the per-step metrics artifact
+    round_idx: int = 0
+    policy: str = ""  # train-policy: the starting policy
+    generator: str = ""  # train-evaluator: the starting generator; train-policy: G_t for the reward
+    verifier: str = ""
+    prompts_uri: str = ""  # train-policy: the prompt pool
+    candidates: tuple[str, ...] = ()  # train-evaluator: candidate sets (one per shard)
+    anchors: tuple[str, ...] = ()  # train-evaluator: their reference rankings
+
+    def __post_init__(self) -> None:
+        if self.stage not in STAGES:
+            raise ValueError(f"unknown training stage {self.stage!r}; expected one of {', '.join(STAGES)}")
+        # lists (from a caller or JSON) become tuples, so that a job stays immutable and comparable
+        object.__setattr__(self, "candidates", tuple(self.candidates))
+        object.__setattr__(self, "anchors", tuple(self.anchors))
+
+    @property
+    def model_ref(self) -> str:
+        """The model this stage trains."""
+        return self.policy if self.stage == "train-policy" else self.generator
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainingJob:
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class Trainee:
+    """What differs between the two trainers, read from the config: how the trained model samples (the
+    policy's K completions, the generator's G rubric samples), how its rewards are mixed, its chat
+    template switch and, for the generator, the rubric grammar its samples are decoded under."""
+
+    tcfg: TrainConfig
+    num_generations: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    enable_thinking: bool | None
+    variant: str  # the reward's variant, named in the metrics rows
+    reward_weights: list[float] | None = None  # the generator's [1, λ] (R_disc, R_anchor)
+    constrain_items: int | None = None  # the generator's rubric grammar, when rubrics are constrained
+
+    @property
+    def scale_rewards(self) -> str | None:
+        """The policy's advantage scaling; None for the generator, whose rewards TRL's
+        normalize_then_sum normalises each within its group whatever scale_rewards says."""
+        return self.tcfg.scale_rewards if isinstance(self.tcfg, PolicyTrainConfig) else None
+
+
+def trainee(cfg: Config, stage: str) -> Trainee:
+    """The policy samples as the rollout stage does; the generator as the rubrics stage does."""
+    if stage == "train-policy":
+        r = cfg.rollout
+        sampling = (r.k, r.temperature, r.top_p, r.max_new_tokens)
+        return Trainee(cfg.train_policy, *sampling, cfg.models.enable_thinking.policy, policy_variant(cfg))
+    r, tcfg = cfg.rubrics, cfg.train_evaluator
+    sampling = (r.train_samples, r.temperature, r.top_p, r.max_new_tokens)
+    items = r.num_items if r.constrained else None
+    thinking = cfg.models.enable_thinking.generator
+    return Trainee(tcfg, *sampling, thinking, "dynamic", [1.0, tcfg.anchor_weight], items)
+
+
+def job_dataset(cfg: Config, job: TrainingJob) -> dict[str, list]:
+    """The stage's dataset, its input artifacts read and validated."""
+    if job.stage == "train-policy":
+        return policy_dataset(job.prompts_uri)
+    candidate_sets = read_frames(list(job.candidates), "rollouts")
+    return evaluator_dataset(cfg, candidate_sets, read_frames(list(job.anchors), "anchors"), job.round_idx)
 
 
 def policy_dataset(prompts_uri: str) -> dict[str, list]:
@@ -60,20 +153,6 @@ def evaluator_dataset(
         columns["sample_idx"].append(idx)
         columns["anchor_ranks"].append(set_ranks if all(r is not None for r in set_ranks) else [])
     return columns
-
-
-def stage_inputs(
-    stage: str, cfg: Config, inputs: dict[str, Any]
-) -> tuple[dict[str, list], str, int, bool | None]:
-    """A stage's dataset (its input artifacts read and validated), starting model, completion length
-    and thinking switch, from the keyword arguments `launch` takes."""
-    if stage == "train-policy":
-        dataset = policy_dataset(inputs["prompts_uri"])
-        return dataset, inputs["policy"], cfg.rollout.max_new_tokens, cfg.models.enable_thinking.policy
-    candidate_sets = read_frames(inputs["candidates"], "rollouts")
-    anchors = read_frames(inputs["anchors"], "anchors")
-    dataset = evaluator_dataset(cfg, candidate_sets, anchors, inputs.get("round_idx", 0))
-    return dataset, inputs["generator"], cfg.rubrics.max_new_tokens, cfg.models.enable_thinking.generator
 
 
 def check_context(

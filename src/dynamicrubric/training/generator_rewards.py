@@ -13,15 +13,13 @@ import pandas as pd
 from dynamicrubric.artifacts import read_frame, write_artifact
 from dynamicrubric.config import Config
 from dynamicrubric.training.reward_common import (
-    Calls,
+    StepScorer,
     aggregate_step,
     completion_text,
-    engine_cache,
     finish_reason,
     log_all,
     prompt_group_ids,
     score_by_groups,
-    served,
     set_aside_failed,
     step_dir,
     step_uris,
@@ -34,32 +32,19 @@ log = logging.getLogger(__name__)
 # The generator's rewards
 
 
-class GeneratorRewards:
+class GeneratorRewards(StepScorer):
     """R_disc and R_anchor of the generator's rubric samples, as two TRL reward functions.
 
     TRL calls `r_disc` then `r_anchor` on the same batch; both come from one judging pass, so the
     second call reuses the first's result (kept for the last batch only, keyed by its content).
     """
 
-    def __init__(
-        self,
-        cfg: Config,
-        *,
-        steps_uri: str,
-        round_idx: int,
-        generator: str = "",
-        verifier: str = "",
-        engines: Callable[[str], Any] | None = None,
-    ) -> None:
-        self.cfg = cfg
-        self.steps_uri = steps_uri
-        self.round_idx = round_idx
-        self.generator = generator or cfg.models.generator
-        self.verifier = verifier or cfg.models.verifier
+    served_roles = ("verifier",)
+
+    def __init__(self, cfg: Config, **where: Any) -> None:
+        super().__init__(cfg, **where)
         self.g = cfg.rubrics.train_samples
         self.max_tokens = cfg.rubrics.max_new_tokens
-        self._engines = engines or engine_cache(cfg)
-        self.served = served(cfg, ("verifier",))
         self._last: tuple[Any, tuple[list, list]] | None = None
 
         def r_disc(prompts, completions, completion_ids, **kwargs):
@@ -69,10 +54,6 @@ class GeneratorRewards:
             return self._rewards(completions, completion_ids, **kwargs)[1]
 
         self.functions = [r_disc, r_anchor]
-
-    def release_models(self) -> None:
-        """Drop the engines loaded so far (training is over; writing the checkpoint needs the memory)."""
-        self._engines = engine_cache(self.cfg)
 
     def _rewards(
         self,
@@ -129,7 +110,6 @@ class GeneratorRewards:
         """(r_disc, r_anchor) for whole groups of G rubric samples; writes the step's artifacts."""
         if not rows:
             return [], {}
-        from dynamicrubric.judge import run_judge
         from dynamicrubric.rubrics import TRUNCATED, rubric_rows
 
         started = time.perf_counter()
@@ -187,19 +167,8 @@ class GeneratorRewards:
                 )
             ]
         )
-        t = time.perf_counter()
-        verifier = self._engines("verifier", self.verifier)
-        calls = Calls(verifier, "judge")
-        counts = run_judge(
-            uri["rollouts"],
-            uri["judgments"],
-            cfg,
-            rubrics_uri=uri["rubrics"],
-            verifier=self.verifier,
-            engine=verifier,
-        )
-        call_metrics = calls.done()
-        judge_s = time.perf_counter() - t
+        judged = self.judge_step(uri, uri["rubrics"])
+        call_metrics = {k: v for k, v in judged.items() if "/calls_" in k}
         failed = set_aside_failed(cfg, uri, uri["rubrics"], set_ids, "train-evaluator", step, call_metrics)
         overall: dict = {}
         if len(failed) < len(set_ids):
@@ -238,8 +207,8 @@ class GeneratorRewards:
             else 0.0,
             "rubrics/truncated_rate": float(truncated.mean()),
             "rubrics/mean_items": float(rubrics["items"].map(len).mean()),
-            "judge/yes_rate": counts["yes_rate"],
-            "time/judge_s": judge_s,
+            "judge/yes_rate": judged["judge/yes_rate"],
+            "time/judge_s": judged["time/judge_s"],
             "time/reward_s": time.perf_counter() - started,
         }
         return values, metrics

@@ -35,8 +35,8 @@ from collections.abc import Callable
 import torch
 
 from dynamicrubric import store
-from dynamicrubric.artifacts import read_frames, write_artifact
-from dynamicrubric.config import Config, TrainConfig, policy_variant
+from dynamicrubric.artifacts import write_artifact
+from dynamicrubric.config import Config
 from dynamicrubric.models import resolve_model
 from dynamicrubric.training.arguments import grpo_arguments
 from dynamicrubric.training.checkpoints import (
@@ -51,130 +51,51 @@ from dynamicrubric.training.checkpoints import (
     work_prefix,
     write_checkpoint,
 )
-from dynamicrubric.training.data import check_batch, evaluator_dataset, policy_dataset
+from dynamicrubric.training.data import TrainingJob, check_batch, job_dataset, trainee
 from dynamicrubric.training.launcher import bound_lm_head_tiles
 from dynamicrubric.training.monitoring import (
     TimedGenerate,
     device_check_callback,
     final_values,
     metric_rows,
+    split_timings,
     step_split_callback,
 )
 
 
-def train_policy(
-    cfg: Config,
-    *,
-    prompts_uri: str,
-    policy: str,
-    out_uri: str,
-    steps_uri: str,
-    metrics_uri: str | None = None,
-    generator: str = "",
-    verifier: str = "",
-    round_idx: int = 0,
-) -> dict:
-    """Online GRPO on the policy; writes a checkpoint folder to `out_uri`; returns the final metrics."""
-    from dynamicrubric.training.policy_reward import PolicyReward
+def train(cfg: Config, job: TrainingJob) -> dict:
+    """Online GRPO on the job's model; writes a checkpoint folder to `job.out_uri` and returns the final
+    metrics, with the steps' time measurements apart under "timings" (they go to MLflow, not to the
+    artifacts, so that a rerun writes the same bytes)."""
+    if store.is_complete(job.out_uri):
+        return already_done(job.out_uri, job.metrics_uri)
+    if job.stage == "train-policy":
+        from dynamicrubric.training.policy_reward import PolicyReward
 
-    if store.is_complete(out_uri):
-        return already_done(out_uri, metrics_uri)
-    dataset = policy_dataset(prompts_uri)
-    reward = PolicyReward(
-        cfg,
-        steps_uri=steps_uri,
-        round_idx=round_idx,
-        generator=generator,
-        verifier=verifier,
-        policy=policy,
-    )
-    return _grpo(
-        "train-policy",
-        cfg,
-        cfg.train_policy,
-        model_ref=policy,
-        dataset=dataset,
-        reward_funcs=[reward],
-        release_models=reward.release_models,
-        reward_weights=None,
-        num_generations=cfg.rollout.k,
-        sampling=(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens),
-        out_uri=out_uri,
-        metrics_uri=metrics_uri,
-        round_idx=round_idx,
-        variant=policy_variant(cfg),
-        enable_thinking=cfg.models.enable_thinking.policy,
-    )
+        reward = PolicyReward.for_job(cfg, job)
+        reward_funcs = [reward]
+    else:
+        from dynamicrubric.training.generator_rewards import GeneratorRewards
 
-
-def train_evaluator(
-    cfg: Config,
-    *,
-    candidates: list[str],
-    anchors: list[str],
-    generator: str,
-    out_uri: str,
-    steps_uri: str,
-    metrics_uri: str | None = None,
-    verifier: str = "",
-    round_idx: int = 0,
-) -> dict:
-    """Online GRPO on the generator over P_{t−1}'s candidate sets; writes a checkpoint to `out_uri`."""
-    from dynamicrubric.training.generator_rewards import GeneratorRewards
-
-    if store.is_complete(out_uri):
-        return already_done(out_uri, metrics_uri)
-    dataset = evaluator_dataset(
-        cfg, read_frames(candidates, "rollouts"), read_frames(anchors, "anchors"), round_idx
-    )
-    rewards = GeneratorRewards(
-        cfg, steps_uri=steps_uri, round_idx=round_idx, generator=generator, verifier=verifier
-    )
-    tcfg = cfg.train_evaluator
-    return _grpo(
-        "train-evaluator",
-        cfg,
-        tcfg,
-        model_ref=generator,
-        dataset=dataset,
-        reward_funcs=rewards.functions,
-        release_models=rewards.release_models,
-        reward_weights=[1.0, tcfg.anchor_weight],
-        num_generations=cfg.rubrics.train_samples,
-        sampling=(cfg.rubrics.temperature, cfg.rubrics.top_p, cfg.rubrics.max_new_tokens),
-        out_uri=out_uri,
-        metrics_uri=metrics_uri,
-        round_idx=round_idx,
-        variant="dynamic",
-        constrain_items=cfg.rubrics.num_items if cfg.rubrics.constrained else None,
-        enable_thinking=cfg.models.enable_thinking.generator,
-    )
+        reward = GeneratorRewards.for_job(cfg, job)
+        reward_funcs = reward.functions
+    return _grpo(cfg, job, job_dataset(cfg, job), reward_funcs, reward.release_models)
 
 
 def _grpo(
-    stage: str,
     cfg: Config,
-    tcfg: TrainConfig,
-    *,
-    model_ref: str,
+    job: TrainingJob,
     dataset: dict[str, list],
     reward_funcs: list,
     release_models: Callable[[], None],
-    reward_weights: list[float] | None,
-    num_generations: int,
-    sampling: tuple[float, float, int],
-    out_uri: str,
-    metrics_uri: str | None,
-    round_idx: int,
-    variant: str,
-    constrain_items: int | None = None,
-    enable_thinking: bool | None = None,
 ) -> dict:
     from accelerate import PartialState
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOTrainer
 
+    stage, setting = job.stage, trainee(cfg, job.stage)
+    tcfg = setting.tcfg
     cuda = torch.cuda.is_available()
     state = PartialState(cpu=not cuda)  # without CUDA: gloo processes (TRL's use_cpu joins this state)
     if not cuda:
@@ -186,35 +107,23 @@ def _grpo(
         )
     if tcfg.torch_threads:
         torch.set_num_threads(tcfg.torch_threads)
-    accumulation = check_batch(stage, tcfg, num_generations, len(dataset["prompt"]))
+    accumulation = check_batch(stage, tcfg, setting.num_generations, len(dataset["prompt"]))
     bf16 = cuda if tcfg.bf16 is None else tcfg.bf16
     vllm = cfg.engine.engine == "vllm"
-    path = resolve_model(model_ref)
-    scratch = scratch_folder(out_uri)
+    path = resolve_model(job.model_ref)
+    scratch = scratch_folder(job.out_uri)
     scratch.mkdir(parents=True, exist_ok=True)
-    work_uri = work_prefix(out_uri)
-    origin = checkpoint_origin(model_ref, tcfg)
+    work_uri = work_prefix(job.out_uri)
+    origin = checkpoint_origin(job.model_ref, tcfg)
     resume = resume_point(stage, work_uri, origin, tcfg.steps)  # every rank refuses a wrong one
     if resume:
         with state.local_main_process_first():  # one download per node: the others reuse it
             resume = fetch_checkpoint(resume, scratch)
-    args = grpo_arguments(
-        cfg,
-        tcfg,
-        output_dir=str(scratch),
-        accumulation=accumulation,
-        num_generations=num_generations,
-        sampling=sampling,
-        reward_weights=reward_weights,
-        bf16=bf16,
-        constrain_items=constrain_items,
-        enable_thinking=enable_thinking,
-    )
+    args = grpo_arguments(cfg, setting, str(scratch), accumulation, bf16)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if bf16 else torch.float32)
-    timer = TimedGenerate(
-        model.generate, tokenizer, None if vllm else constrain_items, model.config.vocab_size
-    )
+    constrain_items = None if vllm else setting.constrain_items  # vLLM: the grammar is in `args`
+    timer = TimedGenerate(model.generate, tokenizer, constrain_items, model.config.vocab_size)
     model.generate = timer
     trainer = GRPOTrainer(
         model=model,
@@ -231,9 +140,12 @@ def _grpo(
     )
     started = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
-    rows = metric_rows(trainer.state.log_history, stage, round_idx, variant)
+    rows, timings = split_timings(
+        metric_rows(trainer.state.log_history, stage, job.round_idx, setting.variant)
+    )
     final = final_values(rows)
-    final["train_wall_s"] = time.perf_counter() - started
+    final["train_wall_s"] = time.perf_counter() - started  # a measurement, for MLflow and KFP only
+    final["timings"] = timings
     weights = gather_weights(trainer)  # on every rank: a collective under FSDP
     # Training is over: the optimizer state, gradients, reference copy and reward models go before
     # write_checkpoint loads a fresh copy beside `weights` (that moment set the default run's peak RSS).
@@ -241,9 +153,9 @@ def _grpo(
     release_models()
     gc.collect()
     if state.is_main_process:
-        if metrics_uri:
-            write_artifact(metrics_uri, "metrics", rows)
-        write_checkpoint(weights, path, tcfg, tokenizer, out_uri, stage, round_idx, model_ref, final, rows)
+        if job.metrics_uri:
+            write_artifact(job.metrics_uri, "metrics", rows)
+        write_checkpoint(weights, path, tcfg, tokenizer, job, final_values(rows), rows)
         store.delete_dir(work_uri)  # the trainer checkpoints (and, locally, the scratch folder inside)
         shutil.rmtree(scratch, ignore_errors=True)
     state.wait_for_everyone()

@@ -19,7 +19,6 @@ import sys
 import tempfile
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -27,7 +26,7 @@ from dynamicrubric import store
 from dynamicrubric.config import Config, TrainConfig, served_roles
 from dynamicrubric.models import resolve_model
 from dynamicrubric.training.checkpoints import already_done
-from dynamicrubric.training.data import check_batch, check_context, stage_inputs
+from dynamicrubric.training.data import TrainingJob, check_batch, check_context, job_dataset, trainee
 
 
 class TrainingError(ValueError):
@@ -99,23 +98,22 @@ def launch_command(world_size: int, args: list[str]) -> list[str]:
     return cmd + ["-m", "dynamicrubric.training.process", *args]
 
 
-def launch(stage: str, cfg: Config, **kwargs: Any) -> dict:
-    """Run a training stage in `world_size` fresh processes and return its final metrics.
+def launch(cfg: Config, job: TrainingJob) -> dict:
+    """Run a training job in `world_size` fresh processes and return its final metrics (the steps'
+    time measurements under "timings").
 
     With `reward_gpus` the task first starts a vLLM server for each reward model it serves
     (`serving.reward_servers`) on the GPUs after the trainer's, trains with their URLs in the config,
-    and stops them whatever happens. The config travels as a YAML file; list arguments (candidate
-    shards) as repeated flags."""
-    key = stage.replace("-", "_")
+    and stops them whatever happens. The config and the job travel as files."""
+    key = job.stage.replace("-", "_")
     tcfg = getattr(cfg, key)
-    if store.is_complete(kwargs["out_uri"]):
-        return already_done(kwargs["out_uri"], kwargs.get("metrics_uri"))
+    if store.is_complete(job.out_uri):
+        return already_done(job.out_uri, job.metrics_uri)
     # Bad inputs are refused here, in one line, before `accelerate launch` starts processes that would
     # load the models first and fail with two tracebacks (the process's and accelerate's).
-    dataset, model_ref, room, enable_thinking = stage_inputs(stage, cfg, kwargs)
-    num_generations = cfg.rollout.k if stage == "train-policy" else cfg.rubrics.train_samples
-    check_batch(stage, tcfg, num_generations, len(dataset["prompt"]))
-    check_context(stage, cfg, model_ref, dataset, room, enable_thinking)
+    dataset, setting = job_dataset(cfg, job), trainee(cfg, job.stage)
+    check_batch(job.stage, tcfg, setting.num_generations, len(dataset["prompt"]))
+    check_context(job.stage, cfg, job.model_ref, dataset, setting.max_new_tokens, setting.enable_thinking)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as servers:
         env = training_env(tcfg, os.environ)
         roles = served_roles(cfg, key) if tcfg.reward_gpus else ()
@@ -123,20 +121,17 @@ def launch(stage: str, cfg: Config, **kwargs: Any) -> dict:
             from dynamicrubric.serving import reward_gpu_split, reward_servers
 
             train_gpus, role_gpus = reward_gpu_split(key, cfg, visible_gpus())
-            folders = {r: str(resolve_model(kwargs.get(r) or getattr(cfg.models, r))) for r in roles}
+            folders = {r: str(resolve_model(getattr(job, r) or getattr(cfg.models, r))) for r in roles}
             urls = servers.enter_context(reward_servers(cfg, key, folders, role_gpus, Path(tmp) / "servers"))
             models = cfg.models.model_copy(update={f"{r}_url": url for r, url in urls.items()})
             cfg = cfg.model_copy(update={"models": models})
             env["CUDA_VISIBLE_DEVICES"] = ",".join(train_gpus)
-        config_file = Path(tmp) / "config.yaml"
+        config_file, job_file, result_file = (
+            Path(tmp) / n for n in ("config.yaml", "job.json", "result.json")
+        )
         config_file.write_text(cfg.to_yaml())
-        result_file = Path(tmp) / "result.json"
-        args = [stage, "--config", str(config_file), "--result", str(result_file)]
-        for name, value in kwargs.items():
-            flag = "--" + name.replace("_", "-")
-            for v in value if isinstance(value, list) else [value]:
-                if v is not None and v != "":
-                    args += [flag, str(v)]
+        job_file.write_text(job.to_json())
+        args = ["--config", str(config_file), "--job", str(job_file), "--result", str(result_file)]
         proc = subprocess.run(launch_command(tcfg.world_size, args), env=env, check=False)
         if proc.returncode != 0:
             error_file = result_file.with_suffix(".error")
@@ -144,8 +139,8 @@ def launch(stage: str, cfg: Config, **kwargs: Any) -> dict:
                 error = json.loads(error_file.read_text())
                 if error["user"]:
                     raise TrainingError(error["message"])
-                raise RuntimeError(f"{stage}: {error['type']}: {error['message']}")
-            raise RuntimeError(f"{stage}: the training process exited with code {proc.returncode}")
+                raise RuntimeError(f"{job.stage}: {error['type']}: {error['message']}")
+            raise RuntimeError(f"{job.stage}: the training process exited with code {proc.returncode}")
         return json.loads(result_file.read_text())
 
 

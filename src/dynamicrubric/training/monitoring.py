@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from dynamicrubric.artifacts import is_timing
+
 # TRL's per-step log keys kept as metrics (besides every reward-function metric, which is kept whole).
 TRL_METRICS = {
     "loss": "loss",
@@ -51,6 +53,11 @@ def metric_rows(history: list[dict], stage: str, round_idx: int, variant: str) -
                 }
             )
     return rows
+
+
+def split_timings(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The rows that a rerun reproduces, and the time measurements (time/*), which it cannot."""
+    return [r for r in rows if not is_timing(r["name"])], [r for r in rows if is_timing(r["name"])]
 
 
 def final_values(rows: list[dict]) -> dict:

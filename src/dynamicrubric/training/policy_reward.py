@@ -35,17 +35,16 @@ from dynamicrubric.artifacts import write_artifact
 from dynamicrubric.config import Config, policy_variant, step_seed
 from dynamicrubric.training.reward_common import (
     Calls,
+    StepScorer,
     aggregate_step,
     checker_judgments,
     completion_text,
-    engine_cache,
     finish_reason,
     log_all,
     outcomes,
     prompt_group_ids,
     ranked_by,
     score_by_groups,
-    served,
     set_aside_failed,
     step_dir,
     step_uris,
@@ -58,36 +57,17 @@ log = logging.getLogger(__name__)
 # The policy's reward
 
 
-class PolicyReward:
+class PolicyReward(StepScorer):
     """TRL reward function: the DynamicRubric score of each of the policy's completions."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        *,
-        steps_uri: str,
-        round_idx: int,
-        generator: str = "",
-        verifier: str = "",
-        policy: str = "",
-        engines: Callable[[str], Any] | None = None,
-    ) -> None:
-        self.cfg = cfg
+    served_roles = ("generator", "verifier")
+
+    def __init__(self, cfg: Config, **where: Any) -> None:
+        super().__init__(cfg, **where)
         self.variant = policy_variant(cfg)
-        self.steps_uri = steps_uri
-        self.round_idx = round_idx
-        self.generator = generator or cfg.models.generator
-        self.verifier = verifier or cfg.models.verifier
-        self.policy = policy or cfg.models.policy
         self.k = cfg.rollout.k
         self.max_tokens = cfg.rollout.max_new_tokens
-        self._engines = engines or engine_cache(cfg)
-        self.served = served(cfg, ("generator", "verifier"))
         self.__name__ = f"{self.variant}_score"  # TRL names the reward's metrics after it
-
-    def release_models(self) -> None:
-        """Drop the engines loaded so far (training is over; writing the checkpoint needs the memory)."""
-        self._engines = engine_cache(self.cfg)
 
     def __call__(
         self,
@@ -167,7 +147,6 @@ class PolicyReward:
             write_artifact(uri["judgments"], "judgments", checker_judgments(rollouts, outcome))
             anchors = ranked_by(rollouts, outcome)
         else:
-            from dynamicrubric.judge import run_judge
             from dynamicrubric.tasks import CODE_TASKS, anchors_from_outcomes
 
             if self.variant in ("dynamic", "static"):
@@ -193,20 +172,9 @@ class PolicyReward:
                 metrics["rubrics/parse_rate"] = counts["parse_rate"]
                 metrics["rubrics/truncated_rate"] = counts["truncated"] / max(counts["rubrics"], 1)
                 metrics["rubrics/mean_items"] = counts["mean_items"]
-            t = time.perf_counter()
-            verifier = self._engines("verifier", self.verifier)
-            calls = Calls(verifier, "judge")
-            counts = run_judge(
-                uri["rollouts"],
-                uri["judgments"],
-                cfg,
-                rubrics_uri=rubrics_uri,
-                verifier=self.verifier,
-                engine=verifier,
-            )
-            metrics.update(calls.done())
-            timing["time/judge_s"] = time.perf_counter() - t
-            metrics["judge/yes_rate"] = counts["yes_rate"]
+            judged = self.judge_step(uri, rubrics_uri)
+            timing["time/judge_s"] = judged.pop("time/judge_s")
+            metrics.update(judged)
             verifiable = prompts[prompts["meta"].notna() | prompts["reference"].notna()]
             if cfg.pipeline.stage_resources("train_policy").gpus:
                 # No policy code runs in a GPU pod: code prompts get no outcome ranking (Δgap) here.

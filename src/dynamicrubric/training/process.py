@@ -10,9 +10,8 @@ import sys
 from pathlib import Path
 
 from dynamicrubric import store
-from dynamicrubric.training.grpo import train_evaluator, train_policy
-
-STAGES = ("train-policy", "train-evaluator")
+from dynamicrubric.training.data import TrainingJob
+from dynamicrubric.training.grpo import train
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,38 +21,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m dynamicrubric.training.process", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("stage", choices=STAGES)
     parser.add_argument("--config", required=True, help="the run's YAML config")
+    parser.add_argument("--job", required=True, help="the training job as JSON (training.data.TrainingJob)")
     parser.add_argument("--result", default=None, help="write the final metrics here as JSON")
-    parser.add_argument("--out-uri", required=True, help="checkpoint folder URI")
-    parser.add_argument("--steps-uri", required=True, help="folder for the per-step artifacts")
-    parser.add_argument("--metrics-uri", default=None)
-    parser.add_argument("--round-idx", type=int, default=0)
-    parser.add_argument("--prompts-uri", help="train-policy: the prompt pool")
-    parser.add_argument("--policy", help="train-policy: the starting policy")
-    parser.add_argument("--generator", default="", help="the generator (G_t for the policy's reward)")
-    parser.add_argument("--verifier", default="")
-    parser.add_argument("--candidates", action="append", default=[], help="train-evaluator: candidate sets")
-    parser.add_argument("--anchors", action="append", default=[], help="train-evaluator: anchor lists")
     a = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     cfg = config_from_yaml(Path(a.config).read_text())
-    common = {
-        "out_uri": a.out_uri,
-        "steps_uri": a.steps_uri,
-        "metrics_uri": a.metrics_uri,
-        "verifier": a.verifier,
-        "round_idx": a.round_idx,
-    }
     try:
-        if a.stage == "train-policy":
-            final = train_policy(
-                cfg, prompts_uri=a.prompts_uri, policy=a.policy, generator=a.generator, **common
-            )
-        else:
-            final = train_evaluator(
-                cfg, candidates=a.candidates, anchors=a.anchors, generator=a.generator, **common
-            )
+        final = train(cfg, TrainingJob.from_json(Path(a.job).read_text()))
     except Exception as e:
         if a.result:  # for the launcher, which reports it as its own error
             from dynamicrubric.artifacts import ArtifactError

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -162,6 +163,65 @@ def engine_cache(cfg: Config) -> Callable[[str, str], Any]:
         return loaded[role]
 
     return get
+
+
+class StepScorer:
+    """What both trainers' reward functions hold: the config, where each step's artifacts go, the models
+    they call (the stage's own references, else the config's) and how they reach them."""
+
+    served_roles: tuple[str, ...] = ()  # the roles whose servers, if the config names any, get the step
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        steps_uri: str,
+        round_idx: int,
+        generator: str = "",
+        verifier: str = "",
+        policy: str = "",
+        engines: Callable[[str, str], Any] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.steps_uri = steps_uri
+        self.round_idx = round_idx
+        self.generator = generator or cfg.models.generator
+        self.verifier = verifier or cfg.models.verifier
+        self.policy = policy or cfg.models.policy
+        self._engines = engines or engine_cache(cfg)
+        self.served = served(cfg, self.served_roles)
+
+    @classmethod
+    def for_job(cls, cfg: Config, job: Any) -> Any:
+        """The reward functions of a training job (training.data.TrainingJob)."""
+        models = {"generator": job.generator, "verifier": job.verifier, "policy": job.policy}
+        return cls(cfg, steps_uri=job.steps_uri, round_idx=job.round_idx, **models)
+
+    def release_models(self) -> None:
+        """Drop the engines loaded so far (training is over; writing the checkpoint needs the memory)."""
+        self._engines = engine_cache(self.cfg)
+
+    def judge_step(self, uri: dict[str, str], rubrics_uri: str | None) -> dict[str, float]:
+        """V judges the step's rollouts (pointwise without rubrics): its yes rate, the server requests
+        it made, and its seconds."""
+        from dynamicrubric.judge import run_judge
+
+        started = time.perf_counter()
+        verifier = self._engines("verifier", self.verifier)
+        calls = Calls(verifier, "judge")
+        counts = run_judge(
+            uri["rollouts"],
+            uri["judgments"],
+            self.cfg,
+            rubrics_uri=rubrics_uri,
+            verifier=self.verifier,
+            engine=verifier,
+        )
+        return {
+            **calls.done(),
+            "judge/yes_rate": counts["yes_rate"],
+            "time/judge_s": time.perf_counter() - started,
+        }
 
 
 class Calls:
