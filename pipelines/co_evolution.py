@@ -212,6 +212,15 @@ def build_pipeline(cfg: Config):
         data = _configure(cfg, "prepare_data")(c.prepare_data(**common, round_idx=0), "prepare-data").after(
             tracking, staging
         )
+
+        def policy_rollout(t: int, shard, label: str, purpose: SeedPurpose, prompts, ckpt: dict):
+            """One shard of P_{t-1}'s samples: the generator's candidate sets or the signal audit's probe."""
+            return _configure(cfg, "rollout")(
+                c.rollout(**common, round_idx=t, label=label, shard=shard, num_shards=shards,
+                          seed=round_seed(cfg, t, purpose), policy_ref=m.policy, prompts=prompts, **ckpt),
+                f"r{t}-{label}-rollout",
+            )  # fmt: skip
+
         policy_ckpt: dict = {}  # {} = the base policy; else {"policy_ckpt": the last round's checkpoint}
         generator_ckpt: dict = {}
         conditions = contextlib.ExitStack()  # each round after an early-stop check runs inside its dsl.If
@@ -220,19 +229,9 @@ def build_pipeline(cfg: Config):
             if variant == "dynamic":
                 # ---- generator stage: G_t learns online on P_{t-1}'s candidate sets
                 with dsl.ParallelFor(items=list(range(shards)), parallelism=shards) as shard:
-                    ro = _configure(cfg, "rollout")(
-                        c.rollout(
-                            **common,
-                            round_idx=t,
-                            label="generator",
-                            shard=shard,
-                            num_shards=shards,
-                            seed=round_seed(cfg, t, SeedPurpose.GENERATOR_ROLLOUT),
-                            policy_ref=m.policy,
-                            prompts=data.outputs["train_prompts"],
-                            **policy_ckpt,
-                        ),
-                        f"r{t}-generator-rollout",
+                    prompts = data.outputs["train_prompts"]
+                    ro = policy_rollout(
+                        t, shard, "generator", SeedPurpose.GENERATOR_ROLLOUT, prompts, policy_ckpt
                     )
                     cand = _configure(cfg, "candidates")(
                         c.candidates(
@@ -270,20 +269,8 @@ def build_pipeline(cfg: Config):
                 )
                 judged: dict = {name: ([], []) for name in scorers}
                 with dsl.ParallelFor(items=list(range(shards)), parallelism=shards) as shard:
-                    probe = _configure(cfg, "rollout")(
-                        c.rollout(
-                            **common,
-                            round_idx=t,
-                            label="audit",
-                            shard=shard,
-                            num_shards=shards,
-                            seed=round_seed(cfg, t, SeedPurpose.AUDIT_ROLLOUT),
-                            policy_ref=m.policy,
-                            prompts=data.outputs["eval_prompts"],
-                            **policy_ckpt,
-                        ),
-                        f"r{t}-audit-rollout",
-                    )
+                    prompts = data.outputs["eval_prompts"]
+                    probe = policy_rollout(t, shard, "audit", SeedPurpose.AUDIT_ROLLOUT, prompts, policy_ckpt)
                     for name, generator in scorers.items():
                         label = f"audit-{name}" if name else "audit"
                         rubric_input = {}

@@ -13,8 +13,6 @@ import pytest
 from dynamicrubric.aggregate import (
     AggregateError,
     aggregate,
-    diagnostics,
-    generator_rewards,
     run_aggregate,
     score_responses,
 )
@@ -82,22 +80,22 @@ def test_scores_cover_every_rollout_and_every_rubric():
 
 
 def test_r_disc_of_an_item_every_response_passes_is_zero():
-    rewards = generator_rewards(judged("a", [4], [[1], [1], [1], [1]]), rollouts(a=4))
+    rewards = aggregate(judged("a", [4], [[1], [1], [1], [1]]), rollouts(a=4)).rewards
     assert row(rewards)["r_disc"] == 0.0
     # Next to a 2-of-4 item it still counts in the weight total: (1·0 + 1·0.25) / 2.
-    rewards = generator_rewards(judged("a", [1, 1], [[1, 1], [1, 1], [1, 0], [1, 0]]), rollouts(a=4))
+    rewards = aggregate(judged("a", [1, 1], [[1, 1], [1, 1], [1, 0], [1, 0]]), rollouts(a=4)).rewards
     assert row(rewards)["r_disc"] == pytest.approx(0.125)
 
 
 def test_r_disc_of_one_item_passed_by_half():
-    rewards = generator_rewards(judged("a", [1], [[1], [0], [1], [0]]), rollouts(a=4))
+    rewards = aggregate(judged("a", [1], [[1], [0], [1], [0]]), rollouts(a=4)).rewards
     assert row(rewards)["r_disc"] == pytest.approx(0.25)
     assert row(rewards)["num_items"] == 1
 
 
 def test_r_anchor_exact_value_for_three():
     # S = 1.0, 0.5, 0.0 ranked 1, 2, 3: pairs (1,2): logσ(.5)/(1·1), (1,3): logσ(1)/(2·1), (2,3): logσ(.5)/(1·2).
-    rewards = generator_rewards(THREE, rollouts(a=3), anchors=anchors("a", [1, 2, 3]))
+    rewards = aggregate(THREE, rollouts(a=3), anchors=anchors("a", [1, 2, 3])).rewards
     expected = log_sigmoid(0.5) + log_sigmoid(1.0) / 2 + log_sigmoid(0.5) / 2
     assert row(rewards)["r_anchor"] == pytest.approx(expected, abs=1e-12)
     assert expected == pytest.approx(-0.867746, abs=1e-6)
@@ -106,13 +104,13 @@ def test_r_anchor_exact_value_for_three():
 def test_r_anchor_prefers_the_correct_order_to_the_reversed_one():
     both = pd.concat([THREE, THREE.assign(prompt_id="b")])
     lists = pd.concat([anchors("a", [1, 2, 3]), anchors("b", [3, 2, 1])])
-    rewards = generator_rewards(both, rollouts(a=3, b=3), anchors=lists)
+    rewards = aggregate(both, rollouts(a=3, b=3), anchors=lists).rewards
     assert row(rewards, "a")["r_anchor"] > row(rewards, "b")["r_anchor"]
 
 
 def test_r_anchor_with_tied_ranks_uses_rank_values_and_skips_tied_pairs():
     # Ranks 1, 1, 2: only the pairs (sample 0, sample 2) and (sample 1, sample 2), each at distance 1, 2^0.
-    rewards = generator_rewards(THREE, rollouts(a=3), anchors=anchors("a", [1, 1, 2]))
+    rewards = aggregate(THREE, rollouts(a=3), anchors=anchors("a", [1, 1, 2])).rewards
     assert row(rewards)["r_anchor"] == pytest.approx(log_sigmoid(1.0) + log_sigmoid(0.5), abs=1e-12)
 
 
@@ -127,7 +125,8 @@ def test_r_anchor_is_null_without_a_ranking_of_this_candidate_set():
 
 def test_tie_rate_and_uniformity_on_small_groups():
     data = pd.concat([judged("a", [1], [[1], [1], [0], [0]]), judged("b", [2, 3], [[1, 0]] * 4)])
-    per_group, overall = diagnostics(data, rollouts(a=4, b=4))
+    result = aggregate(data, rollouts(a=4, b=4))
+    per_group, overall = result.diagnostics, result.overall
     assert row(per_group, "a")["tie_rate"] == pytest.approx(2 / 6)  # scores 1, 1, 0, 0
     assert not row(per_group, "a")["uniform"]
     assert row(per_group, "b")["tie_rate"] == 1.0  # all four score 0.4
@@ -140,12 +139,13 @@ def test_tie_rate_and_uniformity_on_small_groups():
 def test_mean_gap_follows_the_reference_order():
     both = pd.concat([THREE, THREE.assign(prompt_id="b"), THREE.assign(prompt_id="c")])
     lists = pd.concat([anchors("a", [1, 2, 3]), anchors("b", [3, 2, 1])])
-    per_group, overall = diagnostics(both, rollouts(a=3, b=3, c=3), anchors=lists)
+    result = aggregate(both, rollouts(a=3, b=3, c=3), anchors=lists)
+    per_group, overall = result.diagnostics, result.overall
     assert row(per_group, "a")["mean_gap"] == pytest.approx((0.5 + 1.0 + 0.5) / 3)
     assert row(per_group, "b")["mean_gap"] == pytest.approx(-(0.5 + 1.0 + 0.5) / 3)
     assert np.isnan(row(per_group, "c")["mean_gap"])  # no reference ordering
     assert overall["mean_gap"] == pytest.approx(0.0)  # pooled over the six pairs of a and b
-    assert "mean_gap" not in diagnostics(THREE, rollouts(a=3))[1]
+    assert "mean_gap" not in aggregate(THREE, rollouts(a=3)).overall
 
 
 def test_empty_rubric_scores_zero_and_is_counted(caplog):

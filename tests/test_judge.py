@@ -84,10 +84,14 @@ def test_chunk_size_does_not_change_the_judgments(engine: HFEngine) -> None:
     def score(pairs, bar):
         return engine.yes_probability(pairs, bar=bar)
 
-    small = judge_table(_rollouts(), _rubrics(), cfg, engine.chat_prompt, score, chunk_pairs=1)
-    large = judge_table(_rollouts(), _rubrics(), cfg, engine.chat_prompt, score, chunk_pairs=10_000)
+    def judged(rubrics, chunk_pairs: int):
+        requests = iter_judge_requests(_rollouts(), rubrics, cfg, engine.chat_prompt, chunk_pairs)
+        return judge_table(requests, _rollouts(), rubrics, score)
+
+    small = judged(_rubrics(), chunk_pairs=1)
+    large = judged(_rubrics(), chunk_pairs=10_000)
     assert small.equals(large) and small.num_rows == 12
-    pointwise = judge_table(_rollouts(), None, cfg, engine.chat_prompt, score, chunk_pairs=3)
+    pointwise = judged(None, chunk_pairs=3)
     assert pointwise.num_rows == 8 and set(pointwise.column("weight").to_pylist()) == {1}
 
 

@@ -66,8 +66,6 @@ __all__ = [
     "AggregateError",
     "Aggregation",
     "aggregate",
-    "diagnostics",
-    "generator_rewards",
     "run_aggregate",
     "score_responses",
 ]
@@ -205,29 +203,6 @@ def score_responses(
 ) -> pd.DataFrame:
     """The `scores` table: score(y) = Σ w·v / Σ w for every rollout under every rubric of its prompt."""
     return aggregate(judgments, rollouts, rubrics, soft=soft).scores
-
-
-def generator_rewards(
-    judgments: Frame,
-    rollouts: Frame,
-    rubrics: Frame | None = None,
-    anchors: Frame | None = None,
-    soft: bool = False,
-) -> pd.DataFrame:
-    """The `rewards` table: R_disc and R_anchor (null without an anchor ranking) per rubric sample."""
-    return aggregate(judgments, rollouts, rubrics, anchors, soft=soft).rewards
-
-
-def diagnostics(
-    judgments: Frame,
-    rollouts: Frame,
-    rubrics: Frame | None = None,
-    anchors: Frame | None = None,
-    soft: bool = False,
-) -> tuple[pd.DataFrame, dict[str, float]]:
-    """The `diagnostics` table per (prompt, rubric) and the run-level numbers."""
-    result = aggregate(judgments, rollouts, rubrics, anchors, soft=soft)
-    return result.diagnostics, result.overall
 
 
 def run_aggregate(

@@ -96,22 +96,15 @@ def compiled_grammar(
         return _compiled[key][1]
 
 
-def hf_logits_processor(
-    tokenizer: Any,
-    max_items: int,
-    *,
-    vocab_size: int | None = None,
-    stop_token_ids: list[int] | None = None,
-) -> Any:
-    """A new xgrammar logits processor for ONE generation call (transformers' `generate` or HFEngine).
+def hf_logits_processor(tokenizer: Any, max_items: int, **grammar_options: Any) -> Any:
+    """A new xgrammar logits processor for ONE generation call (transformers' `generate` or HFEngine),
+    over `compiled_grammar(tokenizer, max_items, **grammar_options)`.
 
     It is called as processor(input_ids, scores) at every step, where input_ids' last column is the
     token each row sampled at the previous step, and masks the scores of tokens the schema forbids."""
     from xgrammar.contrib.hf import LogitsProcessor
 
-    return LogitsProcessor(
-        compiled_grammar(tokenizer, max_items, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-    )
+    return LogitsProcessor(compiled_grammar(tokenizer, max_items, **grammar_options))
 
 
 class RubricLogitsProcessor:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -134,14 +134,10 @@ def iter_judge_requests(
 
 
 def judge_table(
-    rollouts: pd.DataFrame,
-    rubrics: pd.DataFrame | None,
-    cfg: Config,
-    render: Callable[[list[dict]], str],
-    score: Scorer,
-    chunk_pairs: int = JUDGE_CHUNK_PAIRS,
+    requests: Iterable[JudgeChunk], rollouts: pd.DataFrame, rubrics: pd.DataFrame | None, score: Scorer
 ) -> pa.Table:
-    """The judgments table: every question of `iter_judge_requests` scored by `score`, chunk by chunk."""
+    """The judgments table: every question of `requests` (iter_judge_requests over `rollouts` and
+    `rubrics`, which give the prompt ids and the progress total) scored by `score`, chunk by chunk."""
     prompt_ids = pa.array(sorted(set(rollouts["prompt_id"])), pa.string())
     if rubrics is None:
         total = len(rollouts)
@@ -152,7 +148,7 @@ def judge_table(
         k: [] for k in ("prompt_code", "rubric_idx", "item_idx", "sample_idx", "weight", "p_yes")
     }
     with progress_bar(total, "judge", "judgment") as bar:
-        for chunk in iter_judge_requests(rollouts, rubrics, cfg, render, chunk_pairs):
+        for chunk in requests:
             p_yes = score(chunk.pairs, bar)
             if len(p_yes) != len(chunk.pairs):
                 raise RuntimeError(f"judge: the engine scored {len(p_yes)} of {len(chunk.pairs)} questions")
@@ -211,9 +207,9 @@ def run_judge(
         def score(pairs: list[tuple[str, str]], bar: Any) -> list[float]:
             return engine.yes_probability(pairs, bar=bar)
 
-        judgments = judge_table(rollouts, rubrics, cfg, render, score)
-    else:
-        judgments = judge_table(rollouts, rubrics, cfg, lambda m: "", lambda p, b: [])
+        judgments = judge_table(iter_judge_requests(rollouts, rubrics, cfg, render), rollouts, rubrics, score)
+    else:  # nothing to ask: an empty table of the right schema
+        judgments = judge_table([], rollouts, rubrics, lambda p, b: [])
     responses = len(rollouts)
     # The inputs are not needed any more: free them (and the pages Arrow's allocator keeps) before
     # the judgments are validated and written, so the two peaks do not add up.

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import re
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -80,22 +81,28 @@ def load_nectar(uri: str) -> pd.DataFrame:
             dropped += 1
             continue
         list_id = str(rec["id"]) if _present(rec.get("id")) else f"{stem}/{i}"
-        for j, (text, rank) in enumerate(zip(texts, _dense_ranks(ranks, best_is_low=True), strict=True)):
-            rows.append(
-                {
-                    "list_id": list_id,
-                    "sample_idx": j,
-                    "rank": rank,
-                    "prompt": _nectar_prompt(prompt),
-                    "response": text,
-                    "source": "nectar",
-                }
-            )
+        ranked = zip(range(len(texts)), texts, _dense_ranks(ranks, best_is_low=True), strict=True)
+        rows += _list_rows(list_id, _nectar_prompt(prompt), ranked, "nectar")
     if dropped:
         log.info("%s: dropped %d list(s) with fewer than two answers or no order", uri, dropped)
     if not rows:
         raise TaskError(f"{uri}: no ranked list with at least two differently ranked answers")
     return _anchor_frame(rows)
+
+
+def _list_rows(list_id: str, prompt: str, ranked: Iterable[tuple[Any, str, int]], source: str) -> list[dict]:
+    """An anchor list's rows from its (sample_idx, response, rank) triples."""
+    return [
+        {
+            "list_id": list_id,
+            "sample_idx": int(idx),
+            "rank": rank,
+            "prompt": prompt,
+            "response": text,
+            "source": source,
+        }
+        for idx, text, rank in ranked
+    ]
 
 
 def _message_text(value: Any, where: str) -> str:
@@ -130,17 +137,7 @@ def load_pairs(uri: str) -> pd.DataFrame:
             dropped += 1
             continue
         list_id = str(rec["id"]) if _present(rec.get("id")) else f"{stem}/{i}"
-        for idx, (text, rank) in enumerate(((chosen, 1), (rejected, 2))):
-            rows.append(
-                {
-                    "list_id": list_id,
-                    "sample_idx": idx,
-                    "rank": rank,
-                    "prompt": prompt,
-                    "response": text,
-                    "source": "pairs",
-                }
-            )
+        rows += _list_rows(list_id, prompt, [(0, chosen, 1), (1, rejected, 2)], "pairs")
     if dropped:
         log.info("%s: dropped %d pair(s) whose chosen and rejected are identical", uri, dropped)
     if not rows:
@@ -215,15 +212,6 @@ def ranked_by_score(scored: pd.DataFrame) -> tuple[pd.DataFrame, int]:
             uniform += 1
             continue
         ranks = _dense_ranks(group["score"].tolist(), best_is_low=False)
-        for sample_idx, response, rank in zip(group["sample_idx"], group["response"], ranks, strict=True):
-            rows.append(
-                {
-                    "list_id": pid,
-                    "sample_idx": int(sample_idx),
-                    "rank": rank,
-                    "prompt": group["prompt"].iloc[0],
-                    "response": response,
-                    "source": "outcomes",
-                }
-            )
+        ranked = zip(group["sample_idx"], group["response"], ranks, strict=True)
+        rows += _list_rows(pid, group["prompt"].iloc[0], ranked, "outcomes")
     return _anchor_frame(rows).sort_values(["list_id", "sample_idx"], ignore_index=True), uniform
