@@ -7,8 +7,9 @@ Each task's outputs (from the run's `index.json`) are keyed by what they are —
 shard, output name, file — not by kfp.local's DAG folder names, so a pipeline whose DAG is declared
 differently still compares. Two runs of one seed differ in one thing only: the run folder's path
 (kfp.local names it after the start time), which artifacts hold where they name a checkpoint, and
-the trainers' timings (`time/*` metrics, `train_wall_s`), which are measurements. So a digest is
-taken after replacing that path with `<run>` and blanking the timings' values: Parquet files by their
+the trainers' timings (`time/*` metrics, `train_wall_s`), which are measurements (runs before
+2026-12-02 kept them in the trainers' metrics and checkpoint summary; they are in MLflow only now).
+So a digest is taken after replacing that path with `<run>` and leaving any timings out: Parquet files by their
 decoded content (schema with its metadata, then every column; the bytes are compressed, so the path
 cannot be replaced in them), JSON by its parsed content, every other file by its bytes. `raw_sha256` is kept beside it: files that name no
 path (weights, tokenizers, plots, most tables) must be byte-identical too. Bookkeeping that is new in
@@ -34,18 +35,18 @@ PARQUET_MAGIC = b"PAR1"
 
 
 def _normalised(value: object, run_folder: str) -> object:
-    """`value` with the run folder's path replaced and timings' values blanked (as a key, or as the
-    `value` of a metric row {"name": ..., "value": ...})."""
+    """`value` with the run folder's path replaced and timings left out (a key, or a metric row
+    {"name": "time/...", ...}): older runs kept the trainers' timings in their artifacts."""
     if isinstance(value, str):
         return value.replace(run_folder, "<run>")
     if isinstance(value, list):
-        return [_normalised(v, run_folder) for v in value]
+        return [
+            _normalised(v, run_folder)
+            for v in value
+            if not (isinstance(v, dict) and is_timing(v.get("name")))
+        ]
     if isinstance(value, dict):
-        timing_row = is_timing(value.get("name"))
-        return {
-            k: None if is_timing(k) or (timing_row and k == "value") else _normalised(v, run_folder)
-            for k, v in value.items()
-        }
+        return {k: _normalised(v, run_folder) for k, v in value.items() if not is_timing(k)}
     return value
 
 

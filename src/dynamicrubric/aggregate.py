@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -237,10 +238,21 @@ def run_aggregate(
         )
     except AggregateError as e:  # the inputs are valid artifacts that do not fit together: name them
         raise AggregateError(f"{judgments_uri}: {e}") from None
+    outputs = aggregation_outputs(result, round_idx=round_idx, variant=variant, step=step)
+    for (name, data), uri in zip(
+        outputs.items(), (out_scores, out_rewards, out_diagnostics, out_metrics), strict=True
+    ):
+        write_artifact(uri, name, data)
+    log.info("aggregate: %s", ", ".join(f"{k}={v:g}" for k, v in result.overall.items()))
+    return result.overall
+
+
+def aggregation_outputs(
+    result: Aggregation, *, round_idx: int, variant: str, step: int | None
+) -> dict[str, Any]:
+    """The stage's four outputs by kind (scores, rewards, diagnostics, metrics); `step` (an online
+    trainer's step) goes into every one as its `step` column."""
     stamp = {} if step is None else {"step": np.int32(step)}
-    write_artifact(out_scores, "scores", result.scores.assign(**stamp))
-    write_artifact(out_rewards, "rewards", result.rewards.assign(**stamp))
-    write_artifact(out_diagnostics, "diagnostics", result.diagnostics.assign(**stamp))
     metrics = [
         {
             "round": round_idx,
@@ -252,9 +264,12 @@ def run_aggregate(
         }
         for name, value in result.overall.items()
     ]
-    write_artifact(out_metrics, "metrics", metrics)
-    log.info("aggregate: %s", ", ".join(f"{k}={v:g}" for k, v in result.overall.items()))
-    return result.overall
+    return {
+        "scores": result.scores.assign(**stamp),
+        "rewards": result.rewards.assign(**stamp),
+        "diagnostics": result.diagnostics.assign(**stamp),
+        "metrics": metrics,
+    }
 
 
 # --------------------------------------------------------------------------------------------------

@@ -180,25 +180,24 @@ def judge_table(
     )
 
 
-def run_judge(
-    rollouts_uri: str,
-    out_uri: str,
+def judge_rollouts(
+    rollouts: pd.DataFrame,
+    rubrics: pd.DataFrame | None,
     cfg: Config,
     *,
-    rubrics_uri: str | None = None,
     verifier: str | None = None,
     engine: Engine | None = None,
-) -> dict:
-    """Judge every (item, response); without `rubrics_uri` (or with judge.variant=pointwise) pointwise."""
+) -> tuple[pa.Table, dict]:
+    """The `judgments` table for every (item, response), and its counts; without `rubrics` (or with
+    judge.variant=pointwise) pointwise."""
     verifier = verifier or cfg.models.verifier
     if cfg.models.enable_thinking.verifier:
         raise ValueError(
             "models.enable_thinking.verifier: the judge reads P(yes) at the first token of the verifier's "
             "answer, so a thinking verifier is not supported; set it to false"
         )
-    pointwise = cfg.judge.variant == "pointwise" or rubrics_uri is None
-    rollouts = read_frame(rollouts_uri, "rollouts")
-    rubrics = None if pointwise else read_frame(rubrics_uri, "rubrics")
+    pointwise = cfg.judge.variant == "pointwise" or rubrics is None
+    rubrics = None if pointwise else rubrics
     has_questions = pointwise or int(rubrics["items"].map(len).sum()) > 0
     if has_questions:
         engine = engine or load_engine(verifier, cfg.engine)
@@ -210,13 +209,6 @@ def run_judge(
         judgments = judge_table(iter_judge_requests(rollouts, rubrics, cfg, render), rollouts, rubrics, score)
     else:  # nothing to ask: an empty table of the right schema
         judgments = judge_table([], rollouts, rubrics, lambda p, b: [])
-    responses = len(rollouts)
-    # The inputs are not needed any more: free them (and the pages Arrow's allocator keeps) before
-    # the judgments are validated and written, so the two peaks do not add up.
-    del rollouts, rubrics
-    gc.collect()
-    pa.default_memory_pool().release_unused()
-    write_artifact(out_uri, "judgments", judgments)
     p_yes = judgments.column("p_yes").to_numpy()
     unscored = int(np.isnan(p_yes).sum())
     if unscored:
@@ -230,9 +222,25 @@ def run_judge(
     counts = {
         "variant": "pointwise" if pointwise else "rubric",
         "judgments": judgments.num_rows,
-        "responses": responses,
+        "responses": len(rollouts),
         "unscored": unscored,
         "yes_rate": float(verdicts[~np.isnan(p_yes)].mean()) if len(p_yes) > unscored else 0.0,
     }
+    return judgments, counts
+
+
+def run_judge(
+    rollouts_uri: str, out_uri: str, cfg: Config, *, rubrics_uri: str | None = None, **options: Any
+) -> dict:
+    """The judge stage: `judge_rollouts(rollouts, rubrics, cfg, **options)` over artifacts, written to
+    `out_uri`; without `rubrics_uri` pointwise."""
+    rubrics = read_frame(rubrics_uri, "rubrics") if rubrics_uri and cfg.judge.variant != "pointwise" else None
+    judgments, counts = judge_rollouts(read_frame(rollouts_uri, "rollouts"), rubrics, cfg, **options)
+    # The inputs are not needed any more: free them (and the pages Arrow's allocator keeps) before
+    # the judgments are validated and written, so the two peaks do not add up.
+    del rubrics
+    gc.collect()
+    pa.default_memory_pool().release_unused()
+    write_artifact(out_uri, "judgments", judgments)
     log.info("judge: %s -> %s", counts, out_uri)
     return counts

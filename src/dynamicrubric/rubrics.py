@@ -15,6 +15,7 @@ every sample parses as JSON unless the token limit cut it off. A cut-off sample 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pandas as pd
 
@@ -99,9 +100,8 @@ def rubric_rows(
     return rows
 
 
-def run_rubrics(
-    rollouts_uri: str,
-    out_uri: str,
+def generate_rubrics(
+    rollouts: pd.DataFrame,
     cfg: Config,
     *,
     generator: str | None = None,
@@ -110,18 +110,18 @@ def run_rubrics(
     seed: int | None = None,
     engine: Engine | None = None,
     allow_failed: bool = False,
-) -> dict:
-    """Write `samples` rubric samples (default cfg.rubrics.samples) for every candidate set.
+) -> tuple[pd.DataFrame, dict]:
+    """`samples` rubric samples (default cfg.rubrics.samples) for every candidate set of `rollouts`:
+    the `rubrics` table and its counts.
 
-    A sample whose server request failed after its retries stops the stage before anything is written,
-    unless `allow_failed` (the online reward, which leaves that set's group out): it is then written
-    with parse_status "failed" and no items, and counted in `failed`."""
+    A sample whose server request failed after its retries raises, unless `allow_failed` (the online
+    reward, which leaves that set's group out): it then gets parse_status "failed" and no items, and
+    is counted in `failed`."""
     rc = cfg.rubrics
     generator = generator or cfg.models.generator
     samples = samples or rc.samples
     variant = variant or rc.variant
     seed = cfg.seed if seed is None else seed
-    rollouts = read_frame(rollouts_uri, "rollouts")
     requests = rubric_requests(rollouts, cfg, variant, seed)
     thinking = cfg.models.enable_thinking.generator
     if rc.constrained and thinking:
@@ -147,7 +147,7 @@ def run_rubrics(
     if failed and not allow_failed:
         raise EngineError(
             f"rubrics: {failed} of {sum(len(g.texts) for g in generations)} rubric samples got no answer from "
-            f"the generator's server after its retries (each failure is logged above); nothing written to {out_uri}"
+            f"the generator's server after its retries (each failure is logged above)"
         )
     reference = model_reference(generator)  # stored normalised: the bytes do not depend on how it was typed
     rows = []
@@ -163,7 +163,6 @@ def run_rubrics(
             constrained=rc.constrained,
         )
     rubrics = pd.DataFrame(rows)
-    write_artifact(out_uri, "rubrics", rubrics)
     empty = int((rubrics["parse_status"] == "empty").sum())
     truncated = int((rubrics["parse_status"] == TRUNCATED).sum())
     if empty:
@@ -191,5 +190,16 @@ def run_rubrics(
         "parsed_lines": int((rubrics["parse_status"] == "lines").sum()),
         "mean_items": float(rubrics["items"].map(len).mean()),
     }
+    return rubrics, counts
+
+
+def run_rubrics(rollouts_uri: str, out_uri: str, cfg: Config, **options: Any) -> dict:
+    """The rubrics stage: `generate_rubrics(rollouts, cfg, **options)` over an artifact, written to
+    `out_uri` (nothing is written when it raises)."""
+    try:
+        rubrics, counts = generate_rubrics(read_frame(rollouts_uri, "rollouts"), cfg, **options)
+    except EngineError as e:
+        raise EngineError(f"{e}; nothing written to {out_uri}") from None
+    write_artifact(out_uri, "rubrics", rubrics)
     log.info("rubrics: %s -> %s", counts, out_uri)
     return counts

@@ -10,19 +10,21 @@ from typing import Any
 
 import pandas as pd
 
-from dynamicrubric.artifacts import read_frame, write_artifact
 from dynamicrubric.config import Config
 from dynamicrubric.training.reward_common import (
     StepScorer,
     aggregate_step,
+    artifact_table,
     completion_text,
     finish_reason,
+    kept_on_failure,
     log_all,
     prompt_group_ids,
     score_by_groups,
     set_aside_failed,
     step_dir,
     step_uris,
+    write_step_tables,
 )
 
 log = logging.getLogger(__name__)
@@ -134,7 +136,6 @@ class GeneratorRewards(StepScorer):
                 for idx, response in zip(s["sample_idx"], s["responses"], strict=True)
             ]
         )
-        write_artifact(uri["rollouts"], "rollouts", rollouts)
         rubric_records = []
         for i, sid in enumerate(set_ids):
             group = rows[i * g : (i + 1) * g]
@@ -149,7 +150,6 @@ class GeneratorRewards(StepScorer):
                 constrained=cfg.rubrics.constrained,
             )
         rubrics = pd.DataFrame(rubric_records)
-        write_artifact(uri["rubrics"], "rubrics", rubrics)
         anchors = pd.DataFrame(
             [
                 {
@@ -167,25 +167,30 @@ class GeneratorRewards(StepScorer):
                 )
             ]
         )
-        judged = self.judge_step(uri, uri["rubrics"])
-        call_metrics = {k: v for k, v in judged.items() if "/calls_" in k}
-        failed = set_aside_failed(cfg, uri, uri["rubrics"], set_ids, "train-evaluator", step, call_metrics)
-        overall: dict = {}
-        if len(failed) < len(set_ids):
-            kept = anchors[~anchors["list_id"].isin(failed)] if len(anchors) else anchors
-            result = aggregate_step(
-                cfg,
-                uri,
-                uri["rubrics"],
-                kept if len(kept) else None,
-                soft=cfg.aggregate.soft,
-                round_idx=self.round_idx,
-                variant="dynamic",
-                step=step,
-                stage="train-evaluator",
-            )
-            overall = result.overall
-            rewards = read_frame(uri["rewards"], "rewards").set_index(["prompt_id", "rubric_idx"])
+        tables = {
+            "rollouts": artifact_table("rollouts", rollouts),
+            "rubrics": artifact_table("rubrics", rubrics),
+        }
+        with kept_on_failure(uri, tables, step):
+            judged = self.judge_step(tables)
+            call_metrics = {k: v for k, v in judged.items() if "/calls_" in k}
+            failed = set_aside_failed(cfg, uri, tables, set_ids, "train-evaluator", step, call_metrics)
+            overall: dict = {}
+            if len(failed) < len(set_ids):
+                kept = anchors[~anchors["list_id"].isin(failed)] if len(anchors) else anchors
+                result = aggregate_step(
+                    uri,
+                    tables,
+                    kept if len(kept) else None,
+                    soft=cfg.aggregate.soft,
+                    round_idx=self.round_idx,
+                    variant="dynamic",
+                    step=step,
+                )
+                overall = result["overall"]
+                rewards = result["rewards"].set_index(["prompt_id", "rubric_idx"])
+            else:
+                write_step_tables(uri, tables, step)
         values = []
         for sid in set_ids:
             for j in range(g):

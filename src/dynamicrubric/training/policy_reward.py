@@ -1,9 +1,9 @@
 """DynamicRubric as reward functions for TRL's GRPOTrainer.
 
-TRL runs the online loop (sample, score, update); these callables do the scoring, with the very code
-the standalone stages run: every step's batch is written as the same artifacts (rollouts, rubrics,
-judgments, scores, rewards, diagnostics, metrics) under `<steps_uri>/step-NNNNN/`, and
-`run_rubrics`, `run_judge` and `run_aggregate` read and write them. So a step's scoring can be
+TRL runs the online loop (sample, score, update); these callables do the scoring in memory, with the
+very code the standalone stages run (`generate_rubrics`, `judge_rollouts`, `aggregate`: tables in,
+tables out), and write every step's batch once, as the same artifacts (rollouts, rubrics, judgments,
+scores, rewards, diagnostics, metrics) under `<steps_uri>/step-NNNNN/`. So a step's scoring can be
 validated (`dynrubric validate`) and rerun (`dynrubric stage aggregate ...`) like any stage output.
 
 - `PolicyReward` scores the policy's K completions per prompt, for each variant:
@@ -31,15 +31,16 @@ from typing import Any
 
 import pandas as pd
 
-from dynamicrubric.artifacts import write_artifact
 from dynamicrubric.config import Config, policy_variant, step_seed
 from dynamicrubric.training.reward_common import (
     Calls,
     StepScorer,
     aggregate_step,
+    artifact_table,
     checker_judgments,
     completion_text,
     finish_reason,
+    kept_on_failure,
     log_all,
     outcomes,
     prompt_group_ids,
@@ -48,6 +49,7 @@ from dynamicrubric.training.reward_common import (
     set_aside_failed,
     step_dir,
     step_uris,
+    write_step_tables,
 )
 
 log = logging.getLogger(__name__)
@@ -127,7 +129,6 @@ class PolicyReward(StepScorer):
                 "seed": seed,
             }
         )
-        write_artifact(uri["rollouts"], "rollouts", rollouts)
         prompts = pd.DataFrame(
             {
                 "prompt_id": group_ids,
@@ -137,76 +138,27 @@ class PolicyReward(StepScorer):
                 "meta": [rows[g * self.k]["meta"] for g in range(len(group_ids))],
             }
         )
-        metrics: dict[str, float] = {}
-        timing: dict[str, float] = {}
-        rubrics_uri = None
-        if self.variant == "verifiable":
-            t = time.perf_counter()
-            outcome = outcomes(rollouts, prompts, cfg)
-            timing["time/checker_s"] = time.perf_counter() - t
-            write_artifact(uri["judgments"], "judgments", checker_judgments(rollouts, outcome))
-            anchors = ranked_by(rollouts, outcome)
-        else:
-            from dynamicrubric.tasks import CODE_TASKS, anchors_from_outcomes
-
-            if self.variant in ("dynamic", "static"):
-                from dynamicrubric.rubrics import run_rubrics
-
-                t = time.perf_counter()
-                rubrics_uri = uri["rubrics"]
-                generator = self._engines("generator", self.generator)
-                calls = Calls(generator, "rubrics")
-                counts = run_rubrics(
-                    uri["rollouts"],
-                    rubrics_uri,
-                    cfg,
-                    generator=self.generator,
-                    samples=cfg.rubrics.samples,
+        tables = {"rollouts": artifact_table("rollouts", rollouts)}
+        with kept_on_failure(uri, tables, step):
+            anchors, metrics, timing = self.judged(tables, rollouts, prompts, seed)
+            calls = {k: v for k, v in metrics.items() if "/calls_" in k}
+            failed = set_aside_failed(cfg, uri, tables, group_ids, "train-policy", step, calls)
+            metrics["rewards/failed_groups"] = len(failed)
+            per_response: dict = {}
+            if len(failed) < len(group_ids):
+                result = aggregate_step(
+                    uri,
+                    tables,
+                    None if anchors is None else anchors[~anchors["list_id"].isin(failed)],
+                    soft=cfg.aggregate.soft or self.variant == "verifiable",
+                    round_idx=self.round_idx,
                     variant=self.variant,
-                    seed=seed,
-                    engine=generator,
-                    allow_failed=True,
+                    step=step,
                 )
-                metrics.update(calls.done())
-                timing["time/rubrics_s"] = time.perf_counter() - t
-                metrics["rubrics/parse_rate"] = counts["parse_rate"]
-                metrics["rubrics/truncated_rate"] = counts["truncated"] / max(counts["rubrics"], 1)
-                metrics["rubrics/mean_items"] = counts["mean_items"]
-            judged = self.judge_step(uri, rubrics_uri)
-            timing["time/judge_s"] = judged.pop("time/judge_s")
-            metrics.update(judged)
-            verifiable = prompts[prompts["meta"].notna() | prompts["reference"].notna()]
-            if cfg.pipeline.stage_resources("train_policy").gpus:
-                # No policy code runs in a GPU pod: code prompts get no outcome ranking (Δgap) here.
-                code = verifiable["task"].isin(CODE_TASKS)
-                metrics["rewards/unchecked_code_groups"] = float(code.sum())
-                verifiable = verifiable[~code]
-            anchors = (
-                anchors_from_outcomes(
-                    rollouts[rollouts["prompt_id"].isin(verifiable["prompt_id"])],
-                    verifiable,
-                    timeout_s=cfg.evaluate.sandbox_timeout_s,
-                )
-                if len(verifiable)
-                else None
-            )
-        calls = {k: v for k, v in metrics.items() if "/calls_" in k}
-        failed = set_aside_failed(cfg, uri, rubrics_uri, group_ids, "train-policy", step, calls)
-        metrics["rewards/failed_groups"] = len(failed)
-        per_response: dict = {}
-        if len(failed) < len(group_ids):
-            scores = aggregate_step(
-                cfg,
-                uri,
-                rubrics_uri,
-                None if anchors is None else anchors[~anchors["list_id"].isin(failed)],
-                soft=cfg.aggregate.soft or self.variant == "verifiable",
-                round_idx=self.round_idx,
-                variant=self.variant,
-                step=step,
-            )
-            metrics.update(scores.overall)
-            per_response = scores.frame.groupby(["prompt_id", "sample_idx"])["score"].mean().to_dict()
+                metrics.update(result["overall"])
+                per_response = result["scores"].groupby(["prompt_id", "sample_idx"])["score"].mean().to_dict()
+            else:
+                write_step_tables(uri, tables, step)
         # A group that lost a verdict or its rubric gets no reward at all (TRL leaves None out of the
         # advantage), never a score computed from what was left of it.
         values = [
@@ -216,3 +168,59 @@ class PolicyReward(StepScorer):
         timing["time/reward_s"] = time.perf_counter() - started
         metrics.update(timing)
         return values, metrics
+
+    def judged(
+        self, tables: dict, rollouts: pd.DataFrame, prompts: pd.DataFrame, seed: int
+    ) -> tuple[pd.DataFrame | None, dict[str, float], dict[str, float]]:
+        """The step's judgments (into `tables`, with its rubrics for the rubric variants) and the
+        reference rankings of its verifiable groups (for Δgap); with the step's metrics and timings."""
+        cfg = self.cfg
+        metrics: dict[str, float] = {}
+        timing: dict[str, float] = {}
+        if self.variant == "verifiable":
+            t = time.perf_counter()
+            outcome = outcomes(rollouts, prompts, cfg)
+            timing["time/checker_s"] = time.perf_counter() - t
+            tables["judgments"] = artifact_table("judgments", checker_judgments(rollouts, outcome))
+            return ranked_by(rollouts, outcome), metrics, timing
+        from dynamicrubric.tasks import CODE_TASKS, anchors_from_outcomes
+
+        if self.variant in ("dynamic", "static"):
+            from dynamicrubric.rubrics import generate_rubrics
+
+            t = time.perf_counter()
+            generator = self._engines("generator", self.generator)
+            calls = Calls(generator, "rubrics")
+            rubrics, counts = generate_rubrics(
+                tables["rollouts"].to_pandas(),
+                cfg,
+                generator=self.generator,
+                samples=cfg.rubrics.samples,
+                variant=self.variant,
+                seed=seed,
+                engine=generator,
+                allow_failed=True,
+            )
+            tables["rubrics"] = artifact_table("rubrics", rubrics)
+            metrics.update(calls.done())
+            timing["time/rubrics_s"] = time.perf_counter() - t
+            metrics["rubrics/parse_rate"] = counts["parse_rate"]
+            metrics["rubrics/truncated_rate"] = counts["truncated"] / max(counts["rubrics"], 1)
+            metrics["rubrics/mean_items"] = counts["mean_items"]
+        judged = self.judge_step(tables)
+        timing["time/judge_s"] = judged.pop("time/judge_s")
+        metrics.update(judged)
+        verifiable = prompts[prompts["meta"].notna() | prompts["reference"].notna()]
+        if cfg.pipeline.stage_resources("train_policy").gpus:
+            # No policy code runs in a GPU pod: code prompts get no outcome ranking (Δgap) here.
+            code = verifiable["task"].isin(CODE_TASKS)
+            metrics["rewards/unchecked_code_groups"] = float(code.sum())
+            verifiable = verifiable[~code]
+        if not len(verifiable):
+            return None, metrics, timing
+        anchors = anchors_from_outcomes(
+            rollouts[rollouts["prompt_id"].isin(verifiable["prompt_id"])],
+            verifiable,
+            timeout_s=cfg.evaluate.sandbox_timeout_s,
+        )
+        return anchors, metrics, timing

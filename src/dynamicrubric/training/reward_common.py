@@ -4,18 +4,19 @@ outcomes, and the aggregation of a step (see training/policy_reward.py, training
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pandas as pd
 import pyarrow as pa
 
 from dynamicrubric import store
-from dynamicrubric.artifacts import read_artifact, read_frame, write_artifact
+from dynamicrubric.artifacts import to_table, write_artifact
 from dynamicrubric.config import Config
 from dynamicrubric.models import resolve_model
 
@@ -201,22 +202,19 @@ class StepScorer:
         """Drop the engines loaded so far (training is over; writing the checkpoint needs the memory)."""
         self._engines = engine_cache(self.cfg)
 
-    def judge_step(self, uri: dict[str, str], rubrics_uri: str | None) -> dict[str, float]:
-        """V judges the step's rollouts (pointwise without rubrics): its yes rate, the server requests
-        it made, and its seconds."""
-        from dynamicrubric.judge import run_judge
+    def judge_step(self, tables: dict[str, pa.Table]) -> dict[str, float]:
+        """V judges the step's rollouts under its rubrics (pointwise without): adds the `judgments`
+        table to `tables`; returns its yes rate, the server requests it made, and its seconds."""
+        from dynamicrubric.judge import judge_rollouts
 
         started = time.perf_counter()
         verifier = self._engines("verifier", self.verifier)
         calls = Calls(verifier, "judge")
-        counts = run_judge(
-            uri["rollouts"],
-            uri["judgments"],
-            self.cfg,
-            rubrics_uri=rubrics_uri,
-            verifier=self.verifier,
-            engine=verifier,
+        rubrics = tables["rubrics"].to_pandas() if "rubrics" in tables else None
+        judgments, counts = judge_rollouts(
+            tables["rollouts"].to_pandas(), rubrics, self.cfg, verifier=self.verifier, engine=verifier
         )
+        tables["judgments"] = judgments
         return {
             **calls.done(),
             "judge/yes_rate": counts["yes_rate"],
@@ -245,24 +243,25 @@ class RewardError(RuntimeError):
 def set_aside_failed(
     cfg: Config,
     uri: dict[str, str],
-    rubrics_uri: str | None,
+    tables: dict[str, pa.Table],
     group_ids: list[str],
     stage: str,
     step: int,
     calls: dict[str, float],
 ) -> set[str]:
     """The groups that lost a verdict (p_yes NaN: a failed request, or a verifier that gave no label) or
-    a rubric sample (its request failed). Their rows move from the step's artifacts to `failed-*.parquet`
-    beside them, so aggregation reads only whole groups and nothing asked is lost. Over the step's
-    failure budget (`serving.max_failed_fraction`) the step fails with one line."""
+    a rubric sample (its request failed). Their rows move from the step's tables to `failed-*.parquet`
+    beside the step's artifacts, so aggregation reads only whole groups and nothing asked is lost. Over
+    the step's failure budget (`serving.max_failed_fraction`) the step fails with one line."""
     from dynamicrubric.engines import FAILED
 
     # The requests' outcomes are part of the step's record, also (above all) when the step fails here.
     store.write_bytes(uri["calls"], json.dumps(calls, indent=1, sort_keys=True).encode())
-    judgments = read_frame(uri["judgments"], "judgments")
+    frames = {name: table.to_pandas() for name, table in tables.items()}
+    judgments = frames["judgments"]
     failed = set(judgments.loc[judgments["p_yes"].isna(), "prompt_id"])
-    rubrics = read_frame(rubrics_uri, "rubrics") if rubrics_uri else None
-    if rubrics is not None:
+    if "rubrics" in frames:
+        rubrics = frames["rubrics"]
         failed |= set(rubrics.loc[rubrics["parse_status"] == FAILED, "prompt_id"])
     if not failed:
         return failed
@@ -274,13 +273,10 @@ def set_aside_failed(
             + ", ".join(f"{k.split('/')[-1]} {int(v)}" for k, v in sorted(calls.items()) if v)
             + f"; the step's artifacts and calls.json are in {uri['calls'].rsplit('/', 1)[0]}"
         )
-    frames = {"judgments": judgments, "rollouts": read_frame(uri["rollouts"], "rollouts")}
-    if rubrics is not None:
-        frames["rubrics"] = rubrics
     for name, frame in frames.items():
         lost = frame["prompt_id"].isin(failed)
         write_artifact(failed_uri(uri[name]), name, frame[lost])
-        write_artifact(uri[name], name, frame[~lost])
+        tables[name] = artifact_table(name, frame[~lost])
     log.warning(
         "%s step %d: %d of %d groups get no reward (lost verdicts or rubrics): %s",
         stage,
@@ -333,51 +329,56 @@ def ranked_by(rollouts: pd.DataFrame, outcome: list[float]) -> pd.DataFrame | No
     return ranked if len(ranked) else None
 
 
-class Scores:
-    def __init__(self, frame: pd.DataFrame, overall: dict) -> None:
-        self.frame, self.overall = frame, overall
+def artifact_table(kind_name: str, data: pd.DataFrame | pa.Table) -> pa.Table:
+    """`data` as the stages' code reads it back from an artifact (the kind's schema, no pandas
+    metadata): the step's tables stay in memory and are written once, when the step is scored."""
+    return to_table(kind_name, data).replace_schema_metadata(None)
+
+
+def write_step_tables(uri: dict[str, str], tables: dict[str, pa.Table], step: int) -> None:
+    """The step's rollouts, rubrics and judgments, each row stamped with its step."""
+    for name, table in tables.items():
+        write_artifact(
+            uri[name], name, table.append_column("step", pa.array([step] * len(table), pa.int32()))
+        )
+
+
+@contextlib.contextmanager
+def kept_on_failure(uri: dict[str, str], tables: dict[str, pa.Table], step: int) -> Iterator[None]:
+    """A step whose scoring raises still leaves the tables it had made in its folder, for the record."""
+    try:
+        yield
+    except BaseException:
+        write_step_tables(uri, tables, step)
+        raise
 
 
 def aggregate_step(
-    cfg: Config,
     uri: dict[str, str],
-    rubrics_uri: str | None,
+    tables: dict[str, pa.Table],
     anchors: pd.DataFrame | None,
     *,
     soft: bool,
     round_idx: int,
     variant: str,
     step: int,
-    stage: str = "train-policy",
-) -> Scores:
-    from dynamicrubric.aggregate import run_aggregate
+) -> dict[str, Any]:
+    """Aggregate the step's tables (see aggregate.py) and write all of its artifacts, each once; returns
+    the aggregation's outputs by kind and its run-level numbers as `signal/*` under "overall"."""
+    from dynamicrubric.aggregate import AggregateError, aggregate, aggregation_outputs
 
-    anchors_uri = None
+    anchors_table = None
     if anchors is not None and len(anchors):
-        anchors_uri = uri["anchors"]
-        write_artifact(anchors_uri, "anchors", anchors)
-    overall = run_aggregate(
-        uri["judgments"],
-        uri["rollouts"],
-        uri["scores"],
-        uri["rewards"],
-        uri["diagnostics"],
-        uri["metrics"],
-        rubrics_uri=rubrics_uri,
-        anchors_uri=anchors_uri,
-        soft=soft,
-        round_idx=round_idx,
-        variant=variant,
-        step=step,
-    )
-    # The stages' own code wrote the step's inputs; stamp the step on them too, now that aggregation
-    # has read them, so every file of a step folder says which step it belongs to.
-    for name in ("rollouts", "rubrics", "judgments"):
-        if name != "rubrics" or rubrics_uri:
-            table = read_artifact(uri[name], name)
-            write_artifact(
-                uri[name], name, table.append_column("step", pa.array([step] * len(table), pa.int32()))
-            )
-    named = {f"signal/{k}": v for k, v in overall.items()}
-    log.debug("%s step %d: %s", stage, step, json.dumps(named))
-    return Scores(read_frame(uri["scores"], "scores"), named)
+        anchors_table = artifact_table("anchors", write_artifact(uri["anchors"], "anchors", anchors))
+    try:
+        result = aggregate(
+            tables["judgments"], tables["rollouts"], tables.get("rubrics"), anchors_table, soft=soft
+        )
+    except AggregateError as e:  # valid tables that do not fit together: name the step's artifacts
+        raise AggregateError(f"{uri['judgments']}: {e}") from None
+    outputs = aggregation_outputs(result, round_idx=round_idx, variant=variant, step=step)
+    for name, data in outputs.items():
+        write_artifact(uri[name], name, data)
+    write_step_tables(uri, tables, step)
+    log.info("aggregate: %s", ", ".join(f"{k}={v:g}" for k, v in result.overall.items()))
+    return {**outputs, "overall": {f"signal/{k}": v for k, v in result.overall.items()}}
