@@ -72,9 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         "rollout": {"k": args.k, "max_new_tokens": args.max_new_tokens},
         "rubrics": {"max_new_tokens": 160, "max_response_chars": 300},
         "train_policy": {
-            "steps": args.steps,
+            "max_steps": args.steps,
             "prompts_per_step": args.prompts,
-            "micro_batch_size": 16 if args.prompts * args.k % 16 == 0 else args.k,
+            "per_device_train_batch_size": 16 if args.prompts * args.k % 16 == 0 else args.k,
             "lora_rank": 16,
             "save_steps": args.steps,
         },

@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench.evaluator_learns",
         "machine": f"{platform.machine()}, 2 cores (shared with other work)",
         "config": cfg.model_dump(mode="json"),
-        "steps": t.steps,
+        "steps": t.max_steps,
         "sets_per_step": t.prompts_per_step,
         "rubric_samples_per_set": cfg.rubrics.train_samples,
         "training_sets": int(read_frame(train_sets, "rollouts")["prompt_id"].nunique()),

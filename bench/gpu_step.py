@@ -185,14 +185,14 @@ def step_settings(tiny: bool) -> dict[str, Any]:
     completions = prompts * cfg.rollout.k
     return {
         "preset": "paper",
-        "micro_batch_size": tcfg.micro_batch_size,
+        "per_device_train_batch_size": tcfg.per_device_train_batch_size,
         "gradient_checkpointing": tcfg.gradient_checkpointing,
         "beta": tcfg.beta,
         "learning_rate": tcfg.learning_rate,
         "loss_type": tcfg.loss_type,
         "k": cfg.rollout.k,
         "prompts_per_step": prompts,
-        "gradient_accumulation_steps": completions // tcfg.micro_batch_size,
+        "gradient_accumulation_steps": completions // tcfg.per_device_train_batch_size,
         "activation_memory_gib": tcfg.activation_memory_gib,
         "prompt_tokens": 8 if tiny else 512,  # the plan's longest policy prompt: 512 tokens
         "max_completion_length": 8 if tiny else 1024,
@@ -290,7 +290,7 @@ def run_step(device: torch.device, tiny: bool, result: dict[str, Any]) -> None:
         args = GRPOConfig(
             output_dir=scratch,
             max_steps=1,
-            per_device_train_batch_size=settings["micro_batch_size"],
+            per_device_train_batch_size=settings["per_device_train_batch_size"],
             gradient_accumulation_steps=settings["gradient_accumulation_steps"],
             num_generations=settings["k"],
             max_completion_length=settings["max_completion_length"],

@@ -141,8 +141,8 @@ def step_costs(cfg: Config, work: Path, steps: int = 2) -> dict[str, Any]:
 
     probe = cfg.model_copy(
         update={
-            "train_evaluator": cfg.train_evaluator.model_copy(update={"steps": steps}),
-            "train_policy": cfg.train_policy.model_copy(update={"steps": steps}),
+            "train_evaluator": cfg.train_evaluator.model_copy(update={"max_steps": steps}),
+            "train_policy": cfg.train_policy.model_copy(update={"max_steps": steps}),
         }
     )
     y, d, seconds = probe.to_yaml(), probe.data, {}
@@ -210,7 +210,7 @@ def plan(cfg: Config, costs: dict[str, Any], budget_s: float = BUDGET_S) -> dict
     ) / cfg.train_policy.prompts_per_step
     held_out = cfg.data.eval_prompts * len(cfg.data.sources)
     audit_s = 2 * held_out * per_prompt
-    s_g, s_p, rounds = cfg.train_evaluator.steps, cfg.train_policy.steps, cfg.pipeline.rounds
+    s_g, s_p, rounds = cfg.train_evaluator.max_steps, cfg.train_policy.max_steps, cfg.pipeline.rounds
     round_s = (
         once["generator_candidates"]
         + s_g * g["time/step_s"]
@@ -340,7 +340,7 @@ def run_variant(
         "stages": stage_runs(cfg, local.parent_run_id),
         "evaluate": {"intervals": round_intervals(units), "units": units_json(units)},
         "audit": audit_intervals(outputs),
-        "steps": step_curves(outputs, cfg, local.parent_run_id),
+        "steps": step_curves(outputs, trainer_timings(cfg, local.parent_run_id)),
     }
 
 
@@ -444,17 +444,12 @@ STEP_METRICS = (
 
 
 def step_curves(
-    outputs: dict[tuple[str, str], dict[int, str]], cfg: Config, parent_run_id: str
+    outputs: dict[tuple[str, str], dict[int, str]],
+    timings: dict[tuple[str, int], dict[str, list]] | None = None,
 ) -> dict[str, dict[str, dict[str, list]]]:
     """Trainer -> round -> metric -> per-step values, from the trainers' metrics artifacts and, for the
-    time/* measurements (which the artifacts leave out, so that a rerun reproduces them), from the
-    trainer's MLflow run."""
-    client = tracking.mlflow_client(cfg)
-    runs = {
-        (run.data.tags[tracking.STAGE_TAG], round_idx): run.info.run_id
-        for round_idx, round_runs in tracking.stage_runs_by_round(cfg, parent_run_id).items()
-        for run in round_runs
-    }
+    time/* measurements (which the artifacts leave out, so that a rerun reproduces them), from
+    `timings` (trainer_timings: the trainers' MLflow runs)."""
     out: dict[str, dict[str, dict[str, list]]] = {}
     for trainer in ("train-evaluator", "train-policy"):
         for t, uri in sorted(outputs.get((trainer, ""), {}).items()):
@@ -463,13 +458,25 @@ def step_curves(
                 name: [round(float(v), 6) for v in g.sort_values("step")["value"]]
                 for name, g in m[m["name"].isin(STEP_METRICS)].groupby("name")
             }
-            variant = str(m["variant"].iloc[0]) if len(m) else ""
-            for name in (n for n in STEP_METRICS if n.startswith("time/")):
-                key = f"{variant}/{name}" if variant else name
-                history = sorted(client.get_metric_history(runs[(trainer, t)], key), key=lambda x: x.step)
-                if history:
-                    curves[name] = [round(float(x.value), 6) for x in history]
+            measured = (timings or {}).get((trainer, t), {})
+            curves.update({name: values for name, values in measured.items() if name in STEP_METRICS})
             out.setdefault(trainer, {})[str(t)] = dict(sorted(curves.items()))
+    return out
+
+
+def trainer_timings(cfg: Config, parent_run_id: str) -> dict[tuple[str, int], dict[str, list]]:
+    """(trainer, round) -> time/* metric -> per-step values, from the trainers' MLflow runs."""
+    client = tracking.mlflow_client(cfg)
+    out: dict[tuple[str, int], dict[str, list]] = {}
+    for round_idx, runs in tracking.stage_runs_by_round(cfg, parent_run_id).items():
+        for run in runs:
+            trainer = run.data.tags[tracking.STAGE_TAG]
+            if trainer not in ("train-evaluator", "train-policy"):
+                continue
+            curves = out.setdefault((trainer, round_idx), {})
+            for key in (k for k in run.data.metrics if "time/" in k):  # "<variant>/time/step_s"
+                history = sorted(client.get_metric_history(run.info.run_id, key), key=lambda x: x.step)
+                curves[key[key.index("time/") :]] = [round(float(x.value), 6) for x in history]
     return out
 
 
@@ -503,6 +510,11 @@ def stage_runs(cfg: Config, parent_run_id: str) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------------------------------
+
+
+def _max_steps(train_config: dict) -> int:
+    """A recorded train config's step count: results recorded before TRL's name say `steps`."""
+    return train_config["max_steps"] if "max_steps" in train_config else train_config["steps"]
 
 
 def fmt_interval(r: dict | None, digits: int = 3) -> str:
@@ -681,7 +693,7 @@ def report(results: list[dict[str, Any]]) -> str:
         out.append(
             f"`{result['command']}`: {p['train_pool']} training prompts, {p['held_out']} held-out prompts, "
             f"{p['labelled_pairs']} labelled pairs; K={c['rollout']['k']}, {c['pipeline']['rounds']} rounds of "
-            f"{c['train_evaluator']['steps']} evaluator and {c['train_policy']['steps']} policy steps, seed "
+            f"{_max_steps(c['train_evaluator'])} evaluator and {_max_steps(c['train_policy'])} policy steps, seed "
             f"{c['seed']}. {m['cpu']}, {m['cores']} cores, torch {m['torch']}. Pipeline "
             f"{result['pipeline_wall_s'] / 60:.1f} min + round-0 evaluation {result['round0']['wall_s'] / 60:.1f} min.\n"
         )

@@ -119,6 +119,13 @@ def test_a_key_that_would_reach_no_trainer_setting_is_refused():
         load_config(preset="tiny", overrides={"train_evaluator": {"scale_rewards": "batch"}})
 
 
+def test_the_train_sections_use_trl_names_and_say_so_to_an_old_config():
+    cfg = load_config(preset="tiny", overrides={"train_policy": {"max_steps": 5, "epsilon": 0.3}})
+    assert (cfg.train_policy.max_steps, cfg.train_policy.epsilon) == (5, 0.3)
+    with pytest.raises(ConfigError, match="'micro_batch_size' is now 'per_device_train_batch_size'"):
+        load_config(preset="tiny", overrides={"train_evaluator": {"micro_batch_size": 2}})
+
+
 def test_policy_thinking_is_off_by_default_and_configurable():
     assert Config().models.enable_thinking.policy is False
     assert load_config(preset="paper").models.enable_thinking.policy is False
@@ -134,7 +141,7 @@ def test_paper_preset_gpu_plan_fits_one_8_gpu_node():
         assert cfg.pipeline.resources[stage].gpus == 8, stage
         # the global batch splits over the 6 training processes in whole micro-batches
         per_process, rest = divmod(tcfg.prompts_per_step * 8, tcfg.world_size)
-        assert rest == 0 and per_process % tcfg.micro_batch_size == 0, stage
+        assert rest == 0 and per_process % tcfg.per_device_train_batch_size == 0, stage
     # the one-GPU inference stages take most of their GPU; the trainers' colocated vLLM its own share
     assert cfg.engine.gpu_memory_utilization >= 0.85 and cfg.engine.max_model_len == 20480
     assert cfg.train_policy.vllm_gpu_memory_utilization == 0.3

@@ -42,7 +42,11 @@ def test_check_runs_one_grpo_step_of_the_tiny_shape_on_the_cpu(tmp_path):
     assert result["lora_params"] == result["lora_params_by_arithmetic"] == 32_768
     settings = result["settings"]
     # the paper preset's train-policy settings for one process; one group of K=8 in two micro-batches of 4
-    assert (settings["micro_batch_size"], settings["gradient_checkpointing"], settings["beta"]) == (
+    assert (
+        settings["per_device_train_batch_size"],
+        settings["gradient_checkpointing"],
+        settings["beta"],
+    ) == (
         4,
         True,
         0.01,

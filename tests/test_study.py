@@ -118,6 +118,11 @@ def test_step_curves_read_each_trainer_and_round(tmp_path):
     )
     curves = study.step_curves({("train-policy", ""): {1: uri}})
     assert curves == {"train-policy": {"1": {"reward_mean": [0.25, 0.5]}}}
+    # the time measurements come from the trainer's MLflow run (trainer_timings), not the artifact
+    timed = study.step_curves(
+        {("train-policy", ""): {1: uri}}, {("train-policy", 1): {"time/step_s": [9.0, 8.0]}}
+    )
+    assert timed == {"train-policy": {"1": {"reward_mean": [0.25, 0.5], "time/step_s": [9.0, 8.0]}}}
 
 
 def _result(variant: str, avg: list[float], pairs: list[float]) -> dict:
@@ -139,8 +144,8 @@ def _result(variant: str, avg: list[float], pairs: list[float]) -> dict:
             "rollout": {"k": 8},
             "pipeline": {"rounds": 1},
             "seed": 0,
-            "train_evaluator": {"steps": 2},
-            "train_policy": {"steps": 3},
+            "train_evaluator": {"max_steps": 2},
+            "train_policy": {"max_steps": 3},
         },
         "machine": {"cpu": "cpu", "cores": 2, "torch": "2.13.0"},
         "prompts": {"train_pool": 16, "held_out": len(avg), "labelled_pairs": len(pairs)},
@@ -200,7 +205,7 @@ def test_plan_is_the_arithmetic_of_the_measured_costs():
     p = study.plan(cfg, costs)
     t, d = cfg.train_policy, cfg.data
     audit = 2 * d.eval_prompts * len(d.sources) * 16.0 / t.prompts_per_step
-    one_round = 30 + cfg.train_evaluator.steps * 60 + audit + t.steps * 100 + 120
+    one_round = 30 + cfg.train_evaluator.max_steps * 60 + audit + t.max_steps * 100 + 120
     assert p["audit_s_estimate"] == pytest.approx(audit)
     assert p["total_min"] == pytest.approx(round((cfg.pipeline.rounds * one_round + 120) / 60, 1))
 
@@ -268,7 +273,9 @@ def test_a_tiny_dynamic_variant_runs_end_to_end(tmp_path):
     )
     for trainer in ("train-evaluator", "train-policy"):
         assert set(result["steps"][trainer]) == {"1"}
-        assert len(result["steps"][trainer]["1"]["time/step_s"]) == tiny[trainer.replace("-", "_")]["steps"]
+        assert (
+            len(result["steps"][trainer]["1"]["time/step_s"]) == tiny[trainer.replace("-", "_")]["max_steps"]
+        )
     assert {s["stage"] for s in result["stages"]} >= {"train-evaluator", "train-policy", "evaluate"}
     assert sorted(p.name for p in (tmp_path / "plots").glob("*.png"))  # the last round's evaluate plots
     assert "| dynamic | 1 |" in study.report([result])

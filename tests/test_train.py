@@ -29,7 +29,13 @@ from dynamicrubric.rollout import policy_prompt
 from dynamicrubric.training import checkpoints, data, grpo, launcher
 from dynamicrubric.training.data import TrainingJob
 
-FAST = {"steps": 1, "prompts_per_step": 2, "micro_batch_size": 4, "learning_rate": 5e-3, "torch_threads": 1}
+FAST = {
+    "max_steps": 1,
+    "prompts_per_step": 2,
+    "per_device_train_batch_size": 4,
+    "learning_rate": 5e-3,
+    "torch_threads": 1,
+}
 
 
 def _cfg(**overrides):
@@ -114,7 +120,7 @@ def test_policy_step_moves_probability_towards_higher_scores(tmp_path):
 
 
 def test_per_step_artifacts_validate_and_metrics_are_recorded(tmp_path):
-    cfg = _cfg(train_policy={"steps": 2})
+    cfg = _cfg(train_policy={"max_steps": 2})
     final = _train_policy(cfg, tmp_path)
     for step in (1, 2):
         folder = tmp_path / "steps" / f"step-{step:05d}"
@@ -199,7 +205,9 @@ def _candidate_sets(folder: Path, cfg) -> tuple[str, str]:
 def test_evaluator_step_follows_the_mixed_advantage(tmp_path):
     """One generator step: rubric samples with a higher A = norm(R_disc) + λ·norm(R_anchor) gain
     log-probability; constrained decoding makes every rubric not cut by the token limit parse."""
-    cfg = _cfg(aggregate={"soft": True}, train_evaluator={"prompts_per_step": 4, "micro_batch_size": 4})
+    cfg = _cfg(
+        aggregate={"soft": True}, train_evaluator={"prompts_per_step": 4, "per_device_train_batch_size": 4}
+    )
     cand, ranked = _candidate_sets(tmp_path, cfg)
     final = launcher.launch(
         cfg,
@@ -241,7 +249,7 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def test_same_seed_gives_identical_step_artifacts_and_weights(tmp_path):
-    cfg = _cfg(train_policy={"steps": 2})
+    cfg = _cfg(train_policy={"max_steps": 2})
     for run in ("a", "b"):
         (tmp_path / run).mkdir()
         _train_policy(cfg, tmp_path / run)
@@ -259,7 +267,7 @@ def test_sigkill_mid_run_then_rerun_equals_uninterrupted(tmp_path):
     resumes from that checkpoint and ends with the weights of an uninterrupted run."""
     # 8 prompts, 2 a step: the 4 steps stay inside one pass over the pool. TRL's sampler reshuffles each
     # pass from its seed alone, so a resume after a whole pass would draw another order (docs/training.md).
-    cfg = _cfg(train_policy={"steps": 4, "save_steps": 2}, data={"num_prompts": 8})
+    cfg = _cfg(train_policy={"max_steps": 4, "save_steps": 2}, data={"num_prompts": 8})
     (tmp_path / "whole").mkdir()
     _train_policy(cfg, tmp_path / "whole")
 
@@ -289,7 +297,7 @@ def test_lora_checkpoint_is_merged_and_loads_plainly(tmp_path):
 
 
 def test_a_misconfigured_run_fails_before_training(tmp_path):
-    cfg = _cfg(train_policy={"prompts_per_step": 3, "micro_batch_size": 8})
+    cfg = _cfg(train_policy={"prompts_per_step": 3, "per_device_train_batch_size": 8})
     with pytest.raises(ValueError, match="must split evenly"):
         data.check_batch("train-policy", cfg.train_policy, cfg.rollout.k, pool=3)
     with pytest.raises(ValueError, match="the pool holds only 1 prompt"):
@@ -326,7 +334,7 @@ def test_paper_preset_launches_one_process_per_gpu():
 def test_two_cpu_processes_score_whole_groups(tmp_path):
     """accelerate's multi-CPU launch (gloo) through the same launcher: each process scores whole groups
     of K (its own step folder), and the run ends with one complete checkpoint."""
-    cfg = _cfg(train_policy={"steps": 1, "micro_batch_size": 2, "world_size": 2})
+    cfg = _cfg(train_policy={"max_steps": 1, "per_device_train_batch_size": 2, "world_size": 2})
     _train_policy(cfg, tmp_path)
     step = tmp_path / "steps" / "step-00001"
     for rank in (0, 1):

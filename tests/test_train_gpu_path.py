@@ -127,7 +127,7 @@ def test_two_processes_gather_the_final_weights_on_every_rank(tmp_path: Path, ca
     from transformers import AutoModelForCausalLM
 
     cfg = _cfg(
-        train_policy={"micro_batch_size": 2, "world_size": 2, "lora_rank": 4, "lora_alpha": 8},
+        train_policy={"per_device_train_batch_size": 2, "world_size": 2, "lora_rank": 4, "lora_alpha": 8},
         judge={"variant": "pointwise"},  # soft scores: groups are not tied, so the step has a gradient
         aggregate={"soft": True},
     )
@@ -158,7 +158,7 @@ def test_a_pod_paths_trainer_checkpoints_go_to_the_object_store() -> None:
 
 
 def test_a_resume_for_another_run_or_with_no_steps_left_is_refused(s3_env: str, tmp_path: Path) -> None:
-    cfg = _cfg(train_policy={"steps": 4})
+    cfg = _cfg(train_policy={"max_steps": 4})
     work = f"s3://{s3_env}/policy.work"
     origin = checkpoints.checkpoint_origin("tiny-random", cfg.train_policy)
     folder = tmp_path / "checkpoint-00002"
@@ -168,8 +168,8 @@ def test_a_resume_for_another_run_or_with_no_steps_left_is_refused(s3_env: str, 
     (folder / checkpoints.RESUME_INFO).write_text(json.dumps(origin))
     store.upload_dir(folder, f"{work}/checkpoint-00002")
     assert checkpoints.resume_point("train-policy", work, origin, 4) == f"{work}/checkpoint-00002"
-    # raising steps continues the run: steps is not part of the digest
-    longer = _cfg(train_policy={"steps": 8}).train_policy
+    # raising max_steps continues the run: it is not part of the digest
+    longer = _cfg(train_policy={"max_steps": 8}).train_policy
     assert checkpoints.checkpoint_origin("tiny-random", longer) == origin
 
     def refused(origin: dict, steps: int) -> str:
@@ -178,12 +178,12 @@ def test_a_resume_for_another_run_or_with_no_steps_left_is_refused(s3_env: str, 
         assert "\n" not in str(e.value) and f"delete {work} to start over" in str(e.value)
         return str(e.value)
 
-    assert "at step 2 and the config asks for steps=2: resuming would train no more steps" in refused(
+    assert "at step 2 and the config asks for max_steps=2: resuming would train no more steps" in refused(
         origin, 2
     )
     other_model = checkpoints.checkpoint_origin(str(resolve_model("tiny-random")), cfg.train_policy)
     assert "was written for model 'tiny-random'" in refused(other_model, 4)
-    other_config = _cfg(train_policy={"steps": 4, "learning_rate": 1e-4}).train_policy
+    other_config = _cfg(train_policy={"max_steps": 4, "learning_rate": 1e-4}).train_policy
     assert "with train config" in refused(checkpoints.checkpoint_origin("tiny-random", other_config), 4)
     (folder / checkpoints.RESUME_INFO).unlink()
     store.upload_dir(folder, f"{work}/checkpoint-00003")
@@ -198,7 +198,7 @@ def test_a_killed_task_resumes_in_a_fresh_scratch_from_its_s3_work_prefix(
     another node, an empty cache and scratch. It resumes from s3://…/policy.work and ends with the
     weights of an uninterrupted run."""
     # 8 prompts, 2 a step: 4 steps stay inside one pass over the pool (see test_train's sigkill test).
-    cfg = _cfg(train_policy={"steps": 4, "save_steps": 2}, data={"num_prompts": 8})
+    cfg = _cfg(train_policy={"max_steps": 4, "save_steps": 2}, data={"num_prompts": 8})
     (tmp_path / "whole").mkdir()
     _train_policy(cfg, tmp_path / "whole")
 

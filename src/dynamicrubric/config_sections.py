@@ -4,9 +4,9 @@ one table of stage facts (STAGE_FACTS). Errors name the key; unknown keys are re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_PRESET = "local"
 PRESETS = ("tiny", "local", "paper")
@@ -159,15 +159,15 @@ class TrainConfig(Section):
 
     One optimiser step = `prompts_per_step` prompts × num_generations completions (the policy's K, the
     generator's G rubric samples), split over `world_size` processes in micro-batches of
-    `micro_batch_size` completions (gradient accumulation makes up the rest).
+    `per_device_train_batch_size` completions (gradient accumulation makes up the rest).
     """
 
-    steps: int = Field(4, ge=1)  # optimiser steps per round
+    max_steps: int = Field(4, ge=1)  # optimiser steps per round
     prompts_per_step: int = Field(2, ge=1)
-    micro_batch_size: int = Field(8, ge=1)  # completions per forward/backward on one process
+    per_device_train_batch_size: int = Field(8, ge=1)  # completions per forward/backward on one process
     learning_rate: float = Field(1e-5, gt=0)
     beta: float = Field(0.01, ge=0)  # KL to the round's starting model (the reference)
-    clip_eps: float = Field(0.2, gt=0)
+    epsilon: float = Field(0.2, gt=0)
     # dapo: the policy-gradient loss is averaged over every completion token of the step, so long and
     # short completions weigh per token (no length bias) and the scale does not depend on max length.
     loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = "dapo"
@@ -191,6 +191,23 @@ class TrainConfig(Section):
     activation_memory_gib: float = Field(16.0, ge=0)
     torch_threads: int | None = Field(None, ge=1)  # None: torch's default
     seed: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _trl_names(cls, data: Any) -> Any:
+        """A config written before these keys took TRL's GRPOConfig names is told the new name."""
+        if isinstance(data, dict):
+            for old in sorted(set(data) & RENAMED_TRAIN_KEYS.keys()):
+                raise ValueError(f"{old!r} is now {RENAMED_TRAIN_KEYS[old]!r}, TRL's name for it")
+        return data
+
+
+# This project's names before the train sections took TRL's.
+RENAMED_TRAIN_KEYS = {
+    "steps": "max_steps",
+    "micro_batch_size": "per_device_train_batch_size",
+    "clip_eps": "epsilon",
+}
 
 
 class PolicyTrainConfig(TrainConfig):

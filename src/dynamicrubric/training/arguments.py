@@ -1,6 +1,6 @@
-"""TRL's `GRPOConfig` for a training stage: the one place where this project's config meets TRL's
-names (`steps` is TRL's max_steps, `micro_batch_size` its per_device_train_batch_size, `clip_eps` its
-epsilon).
+"""TRL's `GRPOConfig` for a training stage. The train sections use TRL's own names for what they share
+with it (`max_steps`, `per_device_train_batch_size`, `epsilon`, `beta`, `loss_type`, `scale_rewards`, ...),
+so a reader of TRL's docs reads this config without translating.
 
 The generator's two rewards, R_disc and R_anchor, are mixed at the advantage level with weights
 [1, λ]: TRL's `normalize_then_sum` normalises each reward within its group, (r − mean)/(std + 1e-4),
@@ -36,8 +36,8 @@ def grpo_arguments(cfg: Config, trainee: Trainee, output_dir: str, accumulation:
         generation_kwargs = {"structured_outputs": {"grammar": rubric_grammar(trainee.constrain_items)}}
     return GRPOConfig(
         output_dir=output_dir,
-        max_steps=tcfg.steps,
-        per_device_train_batch_size=tcfg.micro_batch_size,
+        max_steps=tcfg.max_steps,
+        per_device_train_batch_size=tcfg.per_device_train_batch_size,
         gradient_accumulation_steps=accumulation,
         num_generations=trainee.num_generations,
         max_completion_length=trainee.max_new_tokens,
@@ -46,7 +46,7 @@ def grpo_arguments(cfg: Config, trainee: Trainee, output_dir: str, accumulation:
         learning_rate=tcfg.learning_rate,
         lr_scheduler_type="constant",  # online RL: every step's samples are new, no schedule to anneal
         beta=tcfg.beta,
-        epsilon=tcfg.clip_eps,
+        epsilon=tcfg.epsilon,
         loss_type=tcfg.loss_type,
         scale_rewards=trainee.scale_rewards or "group",  # the generator's: unread by normalize_then_sum
         multi_objective_aggregation="normalize_then_sum" if weights else "sum_then_normalize",

@@ -67,12 +67,12 @@ def scratch_folder(out_uri: str) -> Path:
 
 def checkpoint_origin(model_ref: str, tcfg: TrainConfig) -> dict[str, str]:
     """What a stored trainer checkpoint records about the run that wrote it, compared on resume: the
-    starting model, and a digest of the train config without `steps` (raising steps continues a run;
+    starting model, and a digest of the train config without `max_steps` (raising it continues a run;
     the zero-steps check covers lowering it)."""
     from dynamicrubric.models import model_reference
 
     config = tcfg.model_dump(mode="json")
-    config.pop("steps")
+    config.pop("max_steps")
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
     return {"model_ref": model_reference(model_ref), "config_digest": digest}
 
@@ -114,8 +114,8 @@ def resume_point(stage: str, work_uri: str, origin: dict, steps: int) -> str | N
     step = int(name.removeprefix("checkpoint-"))
     if step >= steps:
         raise ValueError(
-            f"{stage}: the trainer checkpoint {uri} is at step {step} and the config asks for steps={steps}: "
-            f"resuming would train no more steps; raise steps, or delete {work_uri} to start over"
+            f"{stage}: the trainer checkpoint {uri} is at step {step} and the config asks for max_steps={steps}: "
+            f"resuming would train no more steps; raise max_steps, or delete {work_uri} to start over"
         )
     return uri
 

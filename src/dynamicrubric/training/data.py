@@ -186,14 +186,14 @@ def check_batch(stage: str, tcfg: TrainConfig, num_generations: int, pool: int) 
     """Gradient-accumulation steps for one step's batch; a clear error for a batch that cannot be split."""
     completions = tcfg.prompts_per_step * num_generations
     per_process, rest = divmod(completions, tcfg.world_size)
-    if rest or per_process % tcfg.micro_batch_size:
+    if rest or per_process % tcfg.per_device_train_batch_size:
         raise ValueError(
             f"{stage}: a step holds prompts_per_step × num_generations = {completions} completions, which "
             f"must split evenly over world_size={tcfg.world_size} processes in micro-batches of "
-            f"micro_batch_size={tcfg.micro_batch_size}"
+            f"per_device_train_batch_size={tcfg.per_device_train_batch_size}"
         )
     if pool < tcfg.prompts_per_step:
         raise ValueError(
             f"{stage}: prompts_per_step is {tcfg.prompts_per_step} but the pool holds only {pool} prompt(s)"
         )
-    return per_process // tcfg.micro_batch_size
+    return per_process // tcfg.per_device_train_batch_size

@@ -115,7 +115,7 @@ def _grpo(
     scratch.mkdir(parents=True, exist_ok=True)
     work_uri = work_prefix(job.out_uri)
     origin = checkpoint_origin(job.model_ref, tcfg)
-    resume = resume_point(stage, work_uri, origin, tcfg.steps)  # every rank refuses a wrong one
+    resume = resume_point(stage, work_uri, origin, tcfg.max_steps)  # every rank refuses a wrong one
     if resume:
         with state.local_main_process_first():  # one download per node: the others reuse it
             resume = fetch_checkpoint(resume, scratch)
