@@ -107,7 +107,7 @@ class TokenizeOnlyEngine(Engine):
             bar.update(len(pairs))
         return [(len(s) % 10) / 10 for s in suffixes]
 
-    def generate(self, *args, **kwargs):
+    def _generate(self, *args, **kwargs):
         raise NotImplementedError("the judge benchmark only judges")
 
     def logprobs(self, *args, **kwargs):

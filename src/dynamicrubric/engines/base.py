@@ -161,11 +161,10 @@ class Engine(abc.ABC):
             return []
         return self._generate(prompts, sampling, desc)
 
-    # Not abstract: an engine that only judges (bench/bench_judge_memory.py's) need not sample.
+    @abc.abstractmethod
     def _generate(self, prompts: list[str], sampling: Sampling, desc: str) -> list[Generation]:
         """The backend's part of `generate`: samples for a non-empty list of prompts, settings checked;
         `desc` names the progress bar."""
-        raise NotImplementedError(f"{type(self).__name__} does not generate")
 
     def close(self) -> None:
         """Free the model's memory (the engine is unusable afterwards). Idempotent."""
