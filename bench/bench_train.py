@@ -34,7 +34,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import pandas as pd
 import yaml
 
 from bench import RESULTS, machine_info, print_table, write_result
@@ -43,6 +42,7 @@ from dynamicrubric.artifacts import write_artifact
 from dynamicrubric.config import load_config
 from dynamicrubric.training import launcher
 from dynamicrubric.training.data import TrainingJob
+from dynamicrubric.training.monitoring import timing_frame
 
 PARTS = (
     "time/generation_s",
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
         )
         wall = time.perf_counter() - started
-        metrics = pd.DataFrame(result["timings"])  # the time/* rows: not in the metrics artifact
+        metrics = timing_frame(result)  # the time/* rows: not in the metrics artifact
         timed = metrics[metrics["name"].isin(PARTS) & (metrics["step"] > 1)]
         per_step = timed.groupby("name")["value"].mean().to_dict()
 

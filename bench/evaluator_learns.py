@@ -39,6 +39,7 @@ from dynamicrubric.config import Config, load_config
 from dynamicrubric.stages.runner import run_stage
 from dynamicrubric.training import launcher
 from dynamicrubric.training.data import TrainingJob
+from dynamicrubric.training.monitoring import timing_frame
 
 HERE = Path(__file__).parent
 AUDIT_SEED = 4242  # the same rubric-sampling seed for G_0 and G_1: only the generator differs
@@ -169,9 +170,7 @@ def main(argv: list[str] | None = None) -> int:
 
     after = after.reindex(before.index)
     # time/step_s comes with the result: the metrics artifact holds what a rerun reproduces
-    metrics = pd.concat(
-        [read_frame(str(work / "metrics.parquet"), "metrics"), pd.DataFrame(result["timings"])]
-    )
+    metrics = pd.concat([read_frame(str(work / "metrics.parquet"), "metrics"), timing_frame(result)])
     curve = {
         name: group.sort_values("step")["value"].round(6).tolist()
         for name, group in metrics.groupby("name")

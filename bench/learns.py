@@ -33,6 +33,7 @@ from dynamicrubric.models import resolve_model
 from dynamicrubric.rollout import sample_rollouts
 from dynamicrubric.training import launcher
 from dynamicrubric.training.data import TrainingJob
+from dynamicrubric.training.monitoring import timing_frame
 
 HERE = Path(__file__).parent
 EVAL_SEED = 12345  # the same sampling seed before and after training: a paired comparison
@@ -87,9 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     timings["eval_after_s"] = time.perf_counter() - started
 
     # time/step_s comes with the result: the metrics artifact holds what a rerun reproduces
-    metrics = pd.concat(
-        [read_frame(str(work / "metrics.parquet"), "metrics"), pd.DataFrame(result["timings"])]
-    )
+    metrics = pd.concat([read_frame(str(work / "metrics.parquet"), "metrics"), timing_frame(result)])
     curve = {
         name: group.sort_values("step")["value"].round(6).tolist()
         for name, group in metrics.groupby("name")

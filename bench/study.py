@@ -138,6 +138,7 @@ def step_costs(cfg: Config, work: Path, steps: int = 2) -> dict[str, Any]:
     from dynamicrubric.stages.runner import run_stage
     from dynamicrubric.training import launcher
     from dynamicrubric.training.data import TrainingJob
+    from dynamicrubric.training.monitoring import timing_frame
 
     probe = cfg.model_copy(
         update={
@@ -188,7 +189,7 @@ def step_costs(cfg: Config, work: Path, steps: int = 2) -> dict[str, Any]:
                 **kwargs,
             ),
         )
-        timing = pd.DataFrame(result["timings"]).groupby("name")["value"].mean()  # not in the artifact
+        timing = timing_frame(result).groupby("name")["value"].mean()  # not in the artifact
         curves[trainer] = {name: round(float(v), 1) for name, v in timing.items()}
     return {
         "steps_measured": steps,

@@ -190,37 +190,6 @@ def test_smollm2_constrained_rubrics_are_valid_json() -> None:
     assert all(_valid(t, 4) and parse_rubric(t, 4).status == "json" for t in complete)
 
 
-def test_one_processor_serves_many_generate_calls(engine: HFEngine) -> None:
-    """transformers' own generate() with a processor passed once, as a trainer's generation kwargs do."""
-    import torch
-
-    processor = constrained.RubricLogitsProcessor(engine.tokenizer, 2, stop_token_ids=engine.stop_ids)
-    batch = engine.tokenizer(
-        [engine.chat_prompt([{"role": "user", "content": q}]) for q in QUESTIONS[:2]],
-        add_special_tokens=False,
-        return_tensors="pt",
-        padding=True,
-        padding_side="left",
-    )
-    texts = []
-    for seed in (0, 1):  # two calls in a row: the second must start a new grammar state
-        torch.manual_seed(seed)
-        out = engine.model.generate(
-            **batch,
-            do_sample=True,
-            max_new_tokens=300,
-            logits_processor=[processor],
-            eos_token_id=engine.stop_ids,
-            pad_token_id=engine.pad_id,
-        )
-        texts += engine.tokenizer.batch_decode(
-            out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True
-        )
-    assert all(t.startswith('{"items": [{"text": "') for t in texts)
-    finished = [t for t in texts if t.endswith("}]}")]
-    assert finished and all(_valid(t, 2) for t in finished)
-
-
 def test_vllm_grammar_has_no_free_whitespace() -> None:
     """What vLLM gets (`rubric_grammar`) admits the compact rubric JSON and refuses whitespace between
     tokens, extra items and out-of-range weights."""

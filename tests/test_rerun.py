@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dynamicrubric import tracking
-from dynamicrubric.artifacts import write_artifact
+from dynamicrubric.artifacts import read_frame, write_artifact
 from dynamicrubric.config import load_config
 from dynamicrubric.models import prepare_model
 from dynamicrubric.rollout import run_rollout
@@ -210,3 +210,17 @@ def test_a_task_on_an_s3_root_logs_s3_uris_and_reruns_from_them(s3_env, tmp_path
                   cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert store.read_bytes(out) == store.read_bytes(rollouts)
+
+
+@pytest.mark.parametrize("stage", ["train_evaluator", "train_policy"])
+def test_the_trainers_measurements_are_in_mlflow_not_in_their_artifacts(task_runs, stage):
+    """Time is measured anew on every run, so it stays out of the trainers' metrics artifact (which a
+    rerun writes again byte for byte) and goes to the stage's MLflow run, step by step."""
+    run = task_runs[stage]
+    metrics = read_frame(str(_pipeline_output(run, STAGES[stage].outputs[-1])), "metrics")
+    assert STAGES[stage].outputs[-1].name == "metrics"
+    assert not metrics["name"].str.startswith("time/").any()
+    assert run.data.metrics["train_wall_s"] > 0
+    timed = [k for k in run.data.metrics if k.endswith("/time/step_s")]
+    assert len(timed) == 1
+    assert run.data.metrics[timed[0]] > 0

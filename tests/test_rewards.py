@@ -7,12 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from dynamicrubric import sandbox
+from dynamicrubric import sandbox, store
 from dynamicrubric.artifacts import read_frame
 from dynamicrubric.config import load_config
 from dynamicrubric.engines import load_engine
 from dynamicrubric.tasks import load_prompts
-from dynamicrubric.training import reward_common
 from dynamicrubric.training.generator_rewards import GeneratorRewards
 from dynamicrubric.training.policy_reward import PolicyReward
 
@@ -90,15 +89,15 @@ def _as_trl_batch(rows: list[dict]) -> dict:
 
 
 def _counted_writes(monkeypatch) -> dict[str, int]:
-    """How many times each step artifact is written (the real write, counted)."""
+    """How many times each file is written (the store's real write, counted)."""
     writes: dict[str, int] = {}
-    real = reward_common.write_artifact
+    real = store.write_bytes
 
-    def counted(uri, kind_name, data):
+    def counted(uri, data):
         writes[uri] = writes.get(uri, 0) + 1
-        return real(uri, kind_name, data)
+        return real(uri, data)
 
-    monkeypatch.setattr(reward_common, "write_artifact", counted)
+    monkeypatch.setattr(store, "write_bytes", counted)
     return writes
 
 
@@ -118,7 +117,7 @@ def test_the_verifiable_reward_is_the_checker_outcome_and_each_artifact_is_writt
     assert logged["rewards/failed_groups"] == 0 and logged["signal/tie_rate"] > 0
     step = tmp_path / "steps" / "step-00001"
     kinds = ("rollouts", "judgments", "scores", "rewards", "diagnostics", "metrics", "anchors")
-    assert sorted(writes) == sorted(str(step / f"{k}.parquet") for k in kinds)
+    assert sorted(writes) == sorted([str(step / "calls.json")] + [str(step / f"{k}.parquet") for k in kinds])
     assert set(writes.values()) == {1}
     for kind in kinds[:-1]:  # anchors are the reference lists, no step of their own
         assert set(read_frame(str(step / f"{kind}.parquet"), kind)["step"]) == {1}, kind

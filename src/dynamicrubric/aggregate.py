@@ -69,6 +69,7 @@ __all__ = [
     "aggregate",
     "run_aggregate",
     "score_responses",
+    "write_aggregation",
 ]
 
 # Scores closer than this count as tied: soft scores summed in a different order may differ in the
@@ -228,30 +229,44 @@ def run_aggregate(
     Inputs are read as Arrow tables (`read_artifact`), not DataFrames: the rubrics' nested `items`
     column stays columnar instead of becoming one Python list per row.
     """
+    inputs = {
+        "judgments": read_artifact(judgments_uri, "judgments"),
+        "rollouts": read_artifact(rollouts_uri, "rollouts"),
+        "rubrics": read_artifact(rubrics_uri, "rubrics") if rubrics_uri else None,
+        "anchors": read_artifact(anchors_uri, "anchors") if anchors_uri else None,
+    }
+    outputs = {
+        "scores": out_scores,
+        "rewards": out_rewards,
+        "diagnostics": out_diagnostics,
+        "metrics": out_metrics,
+    }
+    _, overall = write_aggregation(
+        inputs, outputs, judgments_uri, soft=soft, round_idx=round_idx, variant=variant, step=step
+    )
+    return overall
+
+
+def write_aggregation(
+    inputs: dict[str, Frame | None],
+    outputs: dict[str, str],
+    where: str,
+    *,
+    soft: bool,
+    round_idx: int,
+    variant: str,
+    step: int | None,
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """`aggregate` over `inputs` (judgments, rollouts, rubrics, anchors), its four outputs (scores,
+    rewards, diagnostics, metrics) written to the URIs `outputs` names for them, labelled with the round
+    and variant, and with `step` (an online trainer's step) as every output's `step` column. Returns
+    the outputs by kind and the run-level numbers; `where` names the inputs in an error."""
     try:
         result = aggregate(
-            read_artifact(judgments_uri, "judgments"),
-            read_artifact(rollouts_uri, "rollouts"),
-            read_artifact(rubrics_uri, "rubrics") if rubrics_uri else None,
-            read_artifact(anchors_uri, "anchors") if anchors_uri else None,
-            soft=soft,
+            inputs["judgments"], inputs["rollouts"], inputs["rubrics"], inputs["anchors"], soft=soft
         )
     except AggregateError as e:  # the inputs are valid artifacts that do not fit together: name them
-        raise AggregateError(f"{judgments_uri}: {e}") from None
-    outputs = aggregation_outputs(result, round_idx=round_idx, variant=variant, step=step)
-    for (name, data), uri in zip(
-        outputs.items(), (out_scores, out_rewards, out_diagnostics, out_metrics), strict=True
-    ):
-        write_artifact(uri, name, data)
-    log.info("aggregate: %s", ", ".join(f"{k}={v:g}" for k, v in result.overall.items()))
-    return result.overall
-
-
-def aggregation_outputs(
-    result: Aggregation, *, round_idx: int, variant: str, step: int | None
-) -> dict[str, Any]:
-    """The stage's four outputs by kind (scores, rewards, diagnostics, metrics); `step` (an online
-    trainer's step) goes into every one as its `step` column."""
+        raise AggregateError(f"{where}: {e}") from None
     stamp = {} if step is None else {"step": np.int32(step)}
     metrics = [
         {
@@ -264,12 +279,16 @@ def aggregation_outputs(
         }
         for name, value in result.overall.items()
     ]
-    return {
+    frames = {
         "scores": result.scores.assign(**stamp),
         "rewards": result.rewards.assign(**stamp),
         "diagnostics": result.diagnostics.assign(**stamp),
         "metrics": metrics,
     }
+    for kind_name, data in frames.items():
+        write_artifact(outputs[kind_name], kind_name, data)
+    log.info("aggregate: %s", ", ".join(f"{k}={v:g}" for k, v in result.overall.items()))
+    return frames, result.overall
 
 
 # --------------------------------------------------------------------------------------------------

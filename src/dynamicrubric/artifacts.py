@@ -258,7 +258,7 @@ KINDS: dict[str, Kind] = {
 
 
 def is_timing(metric_name: object) -> bool:
-    """A `metrics` row that measures time (the trainers' time/* split, train_wall_s): it differs from run
+    """A metric that measures time (the trainers' time/* split, train_wall_s): it differs from run
     to run by nature, where every other number of a seeded run is reproduced exactly."""
     return isinstance(metric_name, str) and (metric_name.startswith("time/") or metric_name == "train_wall_s")
 

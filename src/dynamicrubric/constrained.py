@@ -105,37 +105,3 @@ def hf_logits_processor(tokenizer: Any, max_items: int, **grammar_options: Any) 
     from xgrammar.contrib.hf import LogitsProcessor
 
     return LogitsProcessor(compiled_grammar(tokenizer, max_items, **grammar_options))
-
-
-class RubricLogitsProcessor:
-    """A transformers logits processor that can be passed once and used for many `generate()` calls
-    (e.g. in a trainer's fixed generation kwargs): it starts a fresh xgrammar processor whenever a call
-    is not the continuation of the previous one (the new input_ids do not extend the last ones by
-    exactly one token per row)."""
-
-    def __init__(
-        self,
-        tokenizer: Any,
-        max_items: int,
-        *,
-        vocab_size: int | None = None,
-        stop_token_ids: list[int] | None = None,
-    ) -> None:
-        self._args = (tokenizer, max_items)
-        self._kwargs = {"vocab_size": vocab_size, "stop_token_ids": stop_token_ids}
-        compiled_grammar(tokenizer, max_items, **self._kwargs)  # compile now, not inside generate()
-        self._inner: Any = None
-        self._last: Any = None
-
-    def __call__(self, input_ids: Any, scores: Any) -> Any:
-        last = self._last
-        continues = (
-            last is not None
-            and input_ids.shape[0] == last.shape[0]
-            and input_ids.shape[1] == last.shape[1] + 1
-            and bool((input_ids[:, :-1] == last).all())
-        )
-        if not continues:
-            self._inner = hf_logits_processor(*self._args, **self._kwargs)
-        self._last = input_ids.clone()
-        return self._inner(input_ids, scores)

@@ -214,7 +214,7 @@ def judge_rollouts(
     if unscored:
         log.warning(
             "judge: %d of %d verdicts could not be scored (no yes/no label token among the verifier's "
-            "log-probs); they are written with p_yes NaN and aggregation will refuse them",
+            "log-probs); they get p_yes NaN and aggregation will refuse them",
             unscored,
             len(p_yes),
         )

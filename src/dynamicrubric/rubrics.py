@@ -199,7 +199,7 @@ def run_rubrics(rollouts_uri: str, out_uri: str, cfg: Config, **options: Any) ->
     try:
         rubrics, counts = generate_rubrics(read_frame(rollouts_uri, "rollouts"), cfg, **options)
     except EngineError as e:
-        raise EngineError(f"{e}; nothing written to {out_uri}") from None
+        raise EngineError(f"{e}; nothing written to {out_uri}") from e
     write_artifact(out_uri, "rubrics", rubrics)
     log.info("rubrics: %s -> %s", counts, out_uri)
     return counts

@@ -16,7 +16,9 @@ from dynamicrubric.stages.spec import Data, Stage
 def _train_lineage(role: str):
     def lineage(run, run_name: str, round_idx: int, values: dict, result: dict) -> None:
         run.log_metrics_table(values["out_metrics"])
-        run.log_metric_rows(result.get("timings", []))  # measurements: in MLflow, not in the artifacts
+        # measurements: in MLflow, not in the artifacts (a rerun could not write them again)
+        run.log_metric_rows(result.get("timings", []))
+        run.log_metrics({k: v for k, v in result.items() if k == "train_wall_s"})
         run.log_model(run_name, f"{role}-round-{round_idx}", values[f"out_{role}"], {"base": values[role]})
 
     return lineage

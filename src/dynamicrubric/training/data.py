@@ -21,7 +21,7 @@ from dynamicrubric.config import (
 )
 from dynamicrubric.models import resolve_model
 
-STAGES = ("train-policy", "train-evaluator")
+TRAINING_STAGES = ("train-policy", "train-evaluator")
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class TrainingJob:
     """One training stage's work: what it reads and writes. The launcher hands it to every training
     process as JSON; the trainer and its reward functions read it from there."""
 
-    stage: str  # one of STAGES
+    stage: str  # one of TRAINING_STAGES
     out_uri: str  # the checkpoint folder to write
     steps_uri: str  # the folder for each step's scoring artifacts
     metrics_uri: str | None = None  # the per-step metrics artifact
@@ -42,8 +42,10 @@ class TrainingJob:
     anchors: tuple[str, ...] = ()  # train-evaluator: their reference rankings
 
     def __post_init__(self) -> None:
-        if self.stage not in STAGES:
-            raise ValueError(f"unknown training stage {self.stage!r}; expected one of {', '.join(STAGES)}")
+        if self.stage not in TRAINING_STAGES:
+            raise ValueError(
+                f"unknown training stage {self.stage!r}; expected one of {', '.join(TRAINING_STAGES)}"
+            )
         # lists (from a caller or JSON) become tuples, so that a job stays immutable and comparable
         object.__setattr__(self, "candidates", tuple(self.candidates))
         object.__setattr__(self, "anchors", tuple(self.anchors))

@@ -41,7 +41,7 @@ class GeneratorRewards(StepScorer):
     second call reuses the first's result (kept for the last batch only, keyed by its content).
     """
 
-    served_roles = ("verifier",)
+    stage = "train_evaluator"
 
     def __init__(self, cfg: Config, **where: Any) -> None:
         super().__init__(cfg, **where)

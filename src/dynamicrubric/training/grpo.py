@@ -143,9 +143,9 @@ def _grpo(
     rows, timings = split_timings(
         metric_rows(trainer.state.log_history, stage, job.round_idx, setting.variant)
     )
-    final = final_values(rows)
-    final["train_wall_s"] = time.perf_counter() - started  # a measurement, for MLflow and KFP only
-    final["timings"] = timings
+    recorded = final_values(rows)  # what the checkpoint's summary keeps: no measurement
+    # The measurements travel in the result alone, to the stage's MLflow run (training_stages.py).
+    final = {**recorded, "train_wall_s": time.perf_counter() - started, "timings": timings}
     weights = gather_weights(trainer)  # on every rank: a collective under FSDP
     # Training is over: the optimizer state, gradients, reference copy and reward models go before
     # write_checkpoint loads a fresh copy beside `weights` (that moment set the default run's peak RSS).
@@ -155,7 +155,7 @@ def _grpo(
     if state.is_main_process:
         if job.metrics_uri:
             write_artifact(job.metrics_uri, "metrics", rows)
-        write_checkpoint(weights, path, tcfg, tokenizer, job, final_values(rows), rows)
+        write_checkpoint(weights, path, tcfg, tokenizer, job, recorded, rows)
         store.delete_dir(work_uri)  # the trainer checkpoints (and, locally, the scratch folder inside)
         shutil.rmtree(scratch, ignore_errors=True)
     state.wait_for_everyone()

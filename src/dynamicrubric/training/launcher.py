@@ -105,13 +105,13 @@ def launch(cfg: Config, job: TrainingJob) -> dict:
     With `reward_gpus` the task first starts a vLLM server for each reward model it serves
     (`serving.reward_servers`) on the GPUs after the trainer's, trains with their URLs in the config,
     and stops them whatever happens. The config and the job travel as files."""
-    key = job.stage.replace("-", "_")
-    tcfg = getattr(cfg, key)
     if store.is_complete(job.out_uri):
         return already_done(job.out_uri, job.metrics_uri)
+    key, setting = job.stage.replace("-", "_"), trainee(cfg, job.stage)
+    tcfg = setting.tcfg
     # Bad inputs are refused here, in one line, before `accelerate launch` starts processes that would
     # load the models first and fail with two tracebacks (the process's and accelerate's).
-    dataset, setting = job_dataset(cfg, job), trainee(cfg, job.stage)
+    dataset = job_dataset(cfg, job)
     check_batch(job.stage, tcfg, setting.num_generations, len(dataset["prompt"]))
     check_context(job.stage, cfg, job.model_ref, dataset, setting.max_new_tokens, setting.enable_thinking)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as servers:

@@ -7,9 +7,10 @@ import os
 import time
 from typing import Any
 
+import pandas as pd
 import torch
 
-from dynamicrubric.artifacts import is_timing
+from dynamicrubric.artifacts import empty_table, is_timing
 
 # TRL's per-step log keys kept as metrics (besides every reward-function metric, which is kept whole).
 TRL_METRICS = {
@@ -58,6 +59,12 @@ def metric_rows(history: list[dict], stage: str, round_idx: int, variant: str) -
 def split_timings(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     """The rows that a rerun reproduces, and the time measurements (time/*), which it cannot."""
     return [r for r in rows if not is_timing(r["name"])], [r for r in rows if is_timing(r["name"])]
+
+
+def timing_frame(result: dict) -> pd.DataFrame:
+    """A training result's time measurements as `metrics` rows (none when the checkpoint was already
+    complete and nothing ran)."""
+    return pd.DataFrame(result["timings"], columns=empty_table("metrics").schema.names)
 
 
 def final_values(rows: list[dict]) -> dict:

@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 class PolicyReward(StepScorer):
     """TRL reward function: the DynamicRubric score of each of the policy's completions."""
 
-    served_roles = ("generator", "verifier")
+    stage = "train_policy"
 
     def __init__(self, cfg: Config, **where: Any) -> None:
         super().__init__(cfg, **where)

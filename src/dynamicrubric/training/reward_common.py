@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from dynamicrubric import store
 from dynamicrubric.artifacts import to_table, write_artifact
-from dynamicrubric.config import Config
+from dynamicrubric.config import Config, reward_roles
 from dynamicrubric.models import resolve_model
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ class StepScorer:
     """What both trainers' reward functions hold: the config, where each step's artifacts go, the models
     they call (the stage's own references, else the config's) and how they reach them."""
 
-    served_roles: tuple[str, ...] = ()  # the roles whose servers, if the config names any, get the step
+    stage: str  # the training stage whose reward this is (config.reward_roles says which models it calls)
 
     def __init__(
         self,
@@ -190,7 +190,7 @@ class StepScorer:
         self.verifier = verifier or cfg.models.verifier
         self.policy = policy or cfg.models.policy
         self._engines = engines or engine_cache(cfg)
-        self.served = served(cfg, self.served_roles)
+        self.served = served(cfg, reward_roles(self.stage))
 
     @classmethod
     def for_job(cls, cfg: Config, job: Any) -> Any:
@@ -336,20 +336,25 @@ def artifact_table(kind_name: str, data: pd.DataFrame | pa.Table) -> pa.Table:
 
 
 def write_step_tables(uri: dict[str, str], tables: dict[str, pa.Table], step: int) -> None:
-    """The step's rollouts, rubrics and judgments, each row stamped with its step."""
+    """The step's rollouts, rubrics and judgments, each row stamped with its step (a table that lost
+    every group to failures has nothing left to write: its rows are in `failed-*`)."""
     for name, table in tables.items():
-        write_artifact(
-            uri[name], name, table.append_column("step", pa.array([step] * len(table), pa.int32()))
-        )
+        if len(table):
+            stamped = table.append_column("step", pa.array([step] * len(table), pa.int32()))
+            write_artifact(uri[name], name, stamped)
 
 
 @contextlib.contextmanager
 def kept_on_failure(uri: dict[str, str], tables: dict[str, pa.Table], step: int) -> Iterator[None]:
-    """A step whose scoring raises still leaves the tables it had made in its folder, for the record."""
+    """A step whose scoring raises still leaves the tables it had made in its folder, for the record;
+    the step's own error is the one raised, whatever becomes of that record."""
     try:
         yield
     except BaseException:
-        write_step_tables(uri, tables, step)
+        try:
+            write_step_tables(uri, tables, step)
+        except Exception:
+            log.exception("step %d: could not keep the step's tables in %s", step, uri["rollouts"])
         raise
 
 
@@ -363,22 +368,17 @@ def aggregate_step(
     variant: str,
     step: int,
 ) -> dict[str, Any]:
-    """Aggregate the step's tables (see aggregate.py) and write all of its artifacts, each once; returns
-    the aggregation's outputs by kind and its run-level numbers as `signal/*` under "overall"."""
-    from dynamicrubric.aggregate import AggregateError, aggregate, aggregation_outputs
+    """Write the step's tables (validated on the way), aggregate them (aggregate.py) and write its
+    outputs: every artifact of the step once. Returns the outputs by kind, and the run-level numbers
+    as `signal/*` under "overall"."""
+    from dynamicrubric.aggregate import write_aggregation
 
+    write_step_tables(uri, tables, step)
     anchors_table = None
     if anchors is not None and len(anchors):
         anchors_table = artifact_table("anchors", write_artifact(uri["anchors"], "anchors", anchors))
-    try:
-        result = aggregate(
-            tables["judgments"], tables["rollouts"], tables.get("rubrics"), anchors_table, soft=soft
-        )
-    except AggregateError as e:  # valid tables that do not fit together: name the step's artifacts
-        raise AggregateError(f"{uri['judgments']}: {e}") from None
-    outputs = aggregation_outputs(result, round_idx=round_idx, variant=variant, step=step)
-    for name, data in outputs.items():
-        write_artifact(uri[name], name, data)
-    write_step_tables(uri, tables, step)
-    log.info("aggregate: %s", ", ".join(f"{k}={v:g}" for k, v in result.overall.items()))
-    return {**outputs, "overall": {f"signal/{k}": v for k, v in result.overall.items()}}
+    inputs = {"rubrics": None, **tables, "anchors": anchors_table}
+    frames, overall = write_aggregation(
+        inputs, uri, uri["judgments"], soft=soft, round_idx=round_idx, variant=variant, step=step
+    )
+    return {**frames, "overall": {f"signal/{k}": v for k, v in overall.items()}}
