@@ -39,6 +39,7 @@ from kfp import dsl, kubernetes
 from dynamicrubric import store
 from dynamicrubric.components import stages
 from dynamicrubric.config import (
+    S3_ENV,
     STAGE_FACTS,
     TENSOR_PARALLEL_ENV,
     Config,
@@ -50,7 +51,6 @@ from dynamicrubric.config import (
 )
 from dynamicrubric.models import staging_plan
 
-S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
 CACHE_MOUNT = "/model-cache"
 RETRY_BACKOFF = {"backoff_duration": "60s", "backoff_factor": 2.0, "backoff_max_duration": "1800s"}
 # The pod label of tasks that run policy-generated code (config.STAGE_FACTS runs_code), which the

@@ -36,7 +36,7 @@ def test_launch_command_has_cpu_only_without_cuda(monkeypatch: pytest.MonkeyPatc
     one_gpu = launcher.launch_command(1, ["train-policy"])
     assert "--cpu" not in one_gpu and "--multi_gpu" not in one_gpu and "--config_file" not in one_gpu
     several = launcher.launch_command(8, ["train-policy"])
-    assert "--cpu" not in several and str(launcher.accelerate_config(8)) in several
+    assert "--cpu" not in several and str(launcher.accelerate_config(8, cuda=True)) in several
 
 
 def test_cpu_training_processes_return_their_large_blocks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,6 +14,9 @@ PRESETS = ("tiny", "local", "paper")
 # task's tensor parallelism is the number of GPUs its pod was given (see config_from_yaml).
 TENSOR_PARALLEL_ENV = "DYNRUBRIC_TENSOR_PARALLEL_SIZE"
 GIB = 2**30
+# The S3 credentials and endpoint every pod that reads or writes the store gets from
+# `pipeline.s3_secret` (the store reads them: store/__init__.py).
+S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
 
 
 class ConfigError(ValueError):
@@ -177,7 +180,10 @@ class TrainConfig(Section):
     bf16: bool | None = None  # None: on with CUDA, off on CPU (bf16 is ~3x slower without AVX-512)
     max_grad_norm: float = Field(1.0, gt=0)
     save_steps: int = Field(1, ge=1)  # steps between resumable trainer checkpoints in the store
-    world_size: int = Field(1, ge=1)  # training processes (one per training GPU of the task)
+    world_size: int = Field(1, ge=1)  # training processes (one per training GPU), over all nodes
+    # Nodes the stage trains on. Above 1 the KFP task submits a Kubeflow Trainer TrainJob (training/trainjob.py)
+    # with world_size / num_nodes processes, and GPUs, on each node.
+    num_nodes: int = Field(1, ge=1)
     # GPUs of the task's pod that serve the reward's models (G and V, `vllm serve`) instead of training;
     # the task requests world_size + reward_gpus GPUs. 0: the reward loads its models in-process (CPU) or
     # uses models.generator_url / verifier_url.
@@ -191,6 +197,15 @@ class TrainConfig(Section):
     activation_memory_gib: float = Field(16.0, ge=0)
     torch_threads: int | None = Field(None, ge=1)  # None: torch's default
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _whole_nodes(self) -> TrainConfig:
+        if self.world_size % self.num_nodes:
+            raise ValueError(
+                f"world_size {self.world_size} does not split evenly over num_nodes {self.num_nodes}: every "
+                "node runs the same number of training processes"
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod

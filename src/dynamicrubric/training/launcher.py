@@ -33,9 +33,9 @@ class TrainingError(ValueError):
     """A training process stopped on bad input; the message is the one the process raised."""
 
 
-def accelerate_config(world_size: int) -> Path | None:
+def accelerate_config(world_size: int, cuda: bool) -> Path | None:
     """The FSDP config shipped in the package, for several GPU processes; None otherwise."""
-    if world_size > 1 and torch.cuda.is_available():
+    if world_size > 1 and cuda:
         return Path(str(resources.files("dynamicrubric").joinpath("accelerate", "fsdp.yaml")))
     return None
 
@@ -80,19 +80,23 @@ def bound_lm_head_tiles() -> None:
     chunked_logprob.TOKEN_CHUNK_SIZE = min(chunked_logprob.TOKEN_CHUNK_SIZE, CPU_LM_HEAD_TILE_TOKENS)
 
 
-def launch_command(world_size: int, args: list[str]) -> list[str]:
-    """`accelerate launch` of this module with `world_size` processes: one per GPU with CUDA (FSDP for
-    several), else CPU processes (--cpu for one, gloo for several)."""
+def launch_command(
+    world_size: int, args: list[str], num_nodes: int = 1, cuda: bool | None = None
+) -> list[str]:
+    """`accelerate launch` of this module with `world_size` processes over `num_nodes` machines: one per
+    GPU with CUDA (FSDP for several), else CPU processes (--cpu for one, gloo for several). `cuda`
+    defaults to this machine's (a TrainJob's nodes are GPU nodes whatever the submitting task is)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(world_size)]
-    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    fsdp = accelerate_config(world_size)
+    cmd += ["--num_machines", str(num_nodes), "--mixed_precision", "no", "--dynamo_backend", "no"]
+    fsdp = accelerate_config(world_size, cuda)
     if fsdp is not None:
         cmd += ["--config_file", str(fsdp)]
     elif world_size > 1:
         # torchrun-style processes; without CUDA each one runs on the CPU (TRL's use_cpu) with gloo.
         # (accelerate's --cpu with several processes means an MPI launch, which is not installed.)
         cmd += ["--multi_gpu"]
-    elif not torch.cuda.is_available():
+    elif not cuda:
         # Only without CUDA: --cpu exports ACCELERATE_USE_CPU, which would put a one-GPU run on the CPU.
         cmd += ["--cpu"]
     return cmd + ["-m", "dynamicrubric.training.process", *args]
