@@ -461,3 +461,17 @@ def test_store_holds_a_run_of_the_presets_it_is_sized_for(rendered: dict, overla
         ]
         for o in OVERLAYS
     ), "no overlay is sized for the paper preset"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_runner_manages_trainjobs_in_its_namespace_only(rendered: dict, overlay: str) -> None:
+    """A multi-node training task creates, follows and deletes its TrainJob; the identity gets that on
+    TrainJobs, in a namespaced Role (no ClusterRole), and no other right on Kubeflow Trainer's kinds."""
+    objects = rendered[overlay]
+    assert not by_kind(objects, "ClusterRole") and not by_kind(objects, "ClusterRoleBinding")
+    role = by_kind(objects, "Role")["dynamicrubric-runner"]
+    trainer_rules = [r for r in role["rules"] if "trainer.kubeflow.org" in r["apiGroups"]]
+    assert trainer_rules == [
+        {"apiGroups": ["trainer.kubeflow.org"], "resources": ["trainjobs"],
+         "verbs": ["create", "get", "list", "watch", "delete"]}
+    ]  # fmt: skip

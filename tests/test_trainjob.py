@@ -64,3 +64,31 @@ def test_every_node_launches_the_whole_world_size_from_the_runtime_rendezvous(tm
 def test_nodes_that_cannot_split_the_processes_evenly_are_refused():
     with pytest.raises(Exception, match="world_size 6 does not split evenly over num_nodes 4"):
         load_config(preset="paper", overrides={"train_policy": {"num_nodes": 4}})
+
+
+def test_a_node_reads_its_config_and_job_from_the_store(s3_env, tmp_path):
+    """A TrainJob's node has no file of the KFP task's: the process reads the config and the job from
+    their s3:// URIs. The job's checkpoint is already complete (a retried node after the work was
+    done), so the process only reads, recognises it and reports the recorded numbers."""
+    import json
+    import os
+    import sys
+
+    from dynamicrubric import store
+    from dynamicrubric.training.checkpoints import SUMMARY_FILE
+
+    cfg = load_config(preset="tiny")
+    root = f"s3://{s3_env}/r1"
+    done = tmp_path / "policy"
+    done.mkdir()
+    (done / SUMMARY_FILE).write_text(json.dumps({"final": {"reward_mean": 0.5}, "metrics_rows": []}))
+    store.upload_dir(done, f"{root}/policy")
+    store.write_bytes(f"{root}/config.yaml", cfg.to_yaml().encode())
+    job = TrainingJob("train-policy", f"{root}/policy", f"{root}/steps", policy="tiny-random")
+    store.write_bytes(f"{root}/job.json", job.to_json().encode())
+    result = tmp_path / "result.json"
+    args = ["--config", f"{root}/config.yaml", "--job", f"{root}/job.json", "--result", str(result)]
+    proc = subprocess.run([sys.executable, "-m", "dynamicrubric.training.process", *args], env=dict(os.environ),
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(result.read_text()) == {"reward_mean": 0.5, "timings": []}

@@ -21,14 +21,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m dynamicrubric.training.process", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--config", required=True, help="the run's YAML config")
-    parser.add_argument("--job", required=True, help="the training job as JSON (training.data.TrainingJob)")
+    parser.add_argument("--config", required=True, help="the run's YAML config (a path or s3:// URI)")
+    parser.add_argument(
+        "--job", required=True, help="the job as JSON (training.data.TrainingJob; path or URI)"
+    )
     parser.add_argument("--result", default=None, help="write the final metrics here as JSON")
     a = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    cfg = config_from_yaml(Path(a.config).read_text())
+    # Local files from the one-node launcher; URIs in the store on a TrainJob's nodes (training/trainjob.py)
+    cfg = config_from_yaml(store.read_bytes(a.config).decode())
     try:
-        final = train(cfg, TrainingJob.from_json(Path(a.job).read_text()))
+        final = train(cfg, TrainingJob.from_json(store.read_bytes(a.job).decode()))
     except Exception as e:
         if a.result:  # for the launcher, which reports it as its own error
             from dynamicrubric.artifacts import ArtifactError
