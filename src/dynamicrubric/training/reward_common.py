@@ -14,6 +14,7 @@ from typing import Any
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from dynamicrubric import store
 from dynamicrubric.artifacts import to_table, write_artifact
@@ -257,14 +258,16 @@ def set_aside_failed(
 
     # The requests' outcomes are part of the step's record, also (above all) when the step fails here.
     store.write_bytes(uri["calls"], json.dumps(calls, indent=1, sort_keys=True).encode())
-    frames = {name: table.to_pandas() for name, table in tables.items()}
-    judgments = frames["judgments"]
-    failed = set(judgments.loc[judgments["p_yes"].isna(), "prompt_id"])
-    if "rubrics" in frames:
-        rubrics = frames["rubrics"]
-        failed |= set(rubrics.loc[rubrics["parse_status"] == FAILED, "prompt_id"])
+    # Found on the Arrow columns: every step asks, and only a step with failures needs the rows as frames.
+    judgments = tables["judgments"]
+    unscored = pc.fill_null(pc.is_nan(judgments["p_yes"]), True)  # NaN or null: no verdict
+    failed = set(judgments.filter(unscored)["prompt_id"].to_pylist())
+    if "rubrics" in tables:
+        rubrics = tables["rubrics"]
+        failed |= set(rubrics.filter(pc.equal(rubrics["parse_status"], FAILED))["prompt_id"].to_pylist())
     if not failed:
         return failed
+    frames = {name: table.to_pandas() for name, table in tables.items()}
     share = len(failed) / len(group_ids)
     if share > cfg.serving.max_failed_fraction:
         raise RewardError(
