@@ -23,7 +23,8 @@ from dynamicrubric.training.data import TrainingJob
 from dynamicrubric.training.launcher import launch_command
 
 API_VERSION = "trainer.kubeflow.org/v1alpha1"
-# The torch ClusterTrainingRuntime that Kubeflow Trainer's manifests install (docs/deploy.md).
+# The torch ClusterTrainingRuntime that Kubeflow Trainer's manifests install (how to install them is not
+# in docs/deploy.md yet: issue #27).
 TORCH_RUNTIME = "torch-distributed"
 # What the torch runtime sets on every node: where the job's rank 0 listens, and this node's rank.
 RENDEZVOUS = {
