@@ -193,7 +193,7 @@ def test_a_served_model_without_room_for_its_kv_cache_is_refused():
 
 def test_training_gpus_must_be_world_size_plus_reward_gpus():
     with pytest.raises(
-        ConfigError, match=r"train_evaluator.gpus is 8 but train_evaluator.world_size 6 \+ reward_gpus 1 = 7"
+        ConfigError, match=r"train_evaluator.gpus is 8 but \(train_evaluator.world_size 6 \+ reward_gpus 1\) = 7"
     ):
         load_config(preset="paper", overrides={"train_evaluator": {"reward_gpus": 1}})
     # the policy's reward serves G and V: two reward GPUs at least, unless one has a URL

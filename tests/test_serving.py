@@ -51,8 +51,19 @@ def test_the_paper_preset_splits_its_gpus_between_trainer_and_servers() -> None:
     assert train == gpus[:6] and served == {"verifier": ["6", "7"]}  # two data-parallel replicas of V
     with_url = load_config(preset="paper", overrides={"models": {"verifier_url": "http://judge:8000/v1"}})
     assert reward_gpu_split("train_policy", with_url, gpus)[1] == {"generator": ["6", "7"]}
-    with pytest.raises(ConfigError, match="6 \\+ reward_gpus 2 = 8 GPUs, but this task sees 4"):
+    with pytest.raises(ConfigError, match="6 \\+ reward_gpus 2\\) = 8 GPUs, but this task sees 4"):
         reward_gpu_split("train_policy", cfg, gpus[:4])
+
+
+def test_each_node_of_a_two_node_stage_serves_its_own_reward_models() -> None:
+    """On 2 nodes (world_size 14, reward_gpus 2 in all) a node trains on 7 GPUs and serves its own copy of
+    V on the 8th, which its processes call on localhost: no reward traffic between nodes."""
+    two = {"world_size": 14, "reward_gpus": 2, "num_nodes": 2, "prompts_per_step": 35}
+    cfg = load_config(preset="paper", overrides={"train_evaluator": two})
+    gpus = [str(i) for i in range(8)]
+    assert reward_gpu_split("train_evaluator", cfg, gpus) == (gpus[:7], {"verifier": ["7"]})
+    with pytest.raises(ConfigError, match=r"reward_gpus 2\) / num_nodes 2 = 8 GPUs, but this task sees 7"):
+        reward_gpu_split("train_evaluator", cfg, gpus[:7])
 
 
 def test_servers_start_healthy_get_their_gpus_and_stop(tmp_path: Path) -> None:

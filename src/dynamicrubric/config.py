@@ -18,6 +18,7 @@ import yaml
 from pydantic import ValidationError, model_validator
 
 from dynamicrubric.config_sections import (
+    CACHE_MOUNT,
     DEFAULT_PRESET,
     GIB,
     PRESETS,
@@ -62,6 +63,7 @@ __all__ = [
     "ModelSizes",
     "ModelsConfig",
     "PRESETS",
+    "CACHE_MOUNT",
     "S3_ENV",
     "PipelineConfig",
     "RolloutConfig",
@@ -314,6 +316,20 @@ def served_roles(cfg: Config, stage: str) -> tuple[str, ...]:
     return tuple(r for r in reward_roles(stage) if not getattr(cfg.models, f"{r}_url"))
 
 
+def gpu_count_mismatch(stage: str, tcfg: TrainConfig, gpus: int) -> str | None:
+    """Why `pipeline.resources.<stage>.gpus` (one pod's: the task's, or each TrainJob node's) does not
+    match the stage's world_size + reward_gpus over its num_nodes; None when it does."""
+    per_node = (tcfg.world_size + tcfg.reward_gpus) // tcfg.num_nodes
+    if gpus == per_node:
+        return None
+    nodes = f" / num_nodes {tcfg.num_nodes}" if tcfg.num_nodes > 1 else ""
+    return (
+        f"pipeline.resources.{stage}.gpus is {gpus} but ({stage}.world_size {tcfg.world_size} + reward_gpus "
+        f"{tcfg.reward_gpus}){nodes} = {per_node}: each pod trains with one process per training GPU and "
+        "serves the reward's models on the others"
+    )
+
+
 def check_gpu_memory_plan(cfg: Config) -> None:
     """Refuse a training task's GPU plan that cannot fit, with one error naming the numbers.
 
@@ -339,17 +355,15 @@ def check_gpu_memory_plan(cfg: Config) -> None:
         tcfg: TrainConfig = getattr(cfg, stage)
         world, reward = tcfg.world_size, tcfg.reward_gpus
         served = served_roles(cfg, stage)
-        if gpus != world + reward:
-            problems.append(
-                f"pipeline.resources.{stage}.gpus is {gpus} but {stage}.world_size {world} + "
-                f"reward_gpus {reward} = {world + reward}: the task trains with one process per training "
-                "GPU and serves the reward's models on the others"
-            )
+        mismatch = gpu_count_mismatch(stage, tcfg, gpus)
+        if mismatch:
+            problems.append(mismatch)
             continue
-        if reward < len(served):
+        if reward // tcfg.num_nodes < len(served):
             problems.append(
-                f"{stage}.reward_gpus is {reward} but the task serves {len(served)} model(s) ({', '.join(served)}), "
-                "one GPU each at least; give a role served elsewhere its models.<role>_url"
+                f"{stage}.reward_gpus is {reward} but each of the {tcfg.num_nodes} node(s) serves {len(served)} "
+                f"model(s) ({', '.join(served)}), one GPU each at least; give a role served elsewhere its "
+                "models.<role>_url"
             )
             continue
         trained = "policy" if stage == "train_policy" else "generator"

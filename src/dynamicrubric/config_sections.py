@@ -17,6 +17,8 @@ GIB = 2**30
 # The S3 credentials and endpoint every pod that reads or writes the store gets from
 # `pipeline.s3_secret` (the store reads them: store/__init__.py).
 S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
+# Where a cluster pod that loads models mounts its sized scratch volume for the model cache.
+CACHE_MOUNT = "/model-cache"
 
 
 class ConfigError(ValueError):
@@ -184,9 +186,9 @@ class TrainConfig(Section):
     # Nodes the stage trains on. Above 1 the KFP task submits a Kubeflow Trainer TrainJob (training/trainjob.py)
     # with world_size / num_nodes processes, and GPUs, on each node.
     num_nodes: int = Field(1, ge=1)
-    # GPUs of the task's pod that serve the reward's models (G and V, `vllm serve`) instead of training;
-    # the task requests world_size + reward_gpus GPUs. 0: the reward loads its models in-process (CPU) or
-    # uses models.generator_url / verifier_url.
+    # GPUs that serve the reward's models (G and V, `vllm serve`) instead of training, over all nodes:
+    # a pod requests (world_size + reward_gpus) / num_nodes GPUs, and each node serves its own copies on
+    # its share. 0: the reward loads its models in-process (CPU) or uses models.generator_url / verifier_url.
     reward_gpus: int = Field(0, ge=0)
     # vLLM only: the share of each training GPU that TRL's colocated vLLM copy of the trained model takes
     # (weights + KV cache); the rest holds the trainer's sharded state and activations.
@@ -200,11 +202,12 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _whole_nodes(self) -> TrainConfig:
-        if self.world_size % self.num_nodes:
-            raise ValueError(
-                f"world_size {self.world_size} does not split evenly over num_nodes {self.num_nodes}: every "
-                "node runs the same number of training processes"
-            )
+        for key in ("world_size", "reward_gpus"):
+            if getattr(self, key) % self.num_nodes:
+                raise ValueError(
+                    f"{key} {getattr(self, key)} does not split evenly over num_nodes {self.num_nodes}: every "
+                    "node runs the same number of training processes and reward servers"
+                )
         return self
 
     @model_validator(mode="before")

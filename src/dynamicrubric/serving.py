@@ -128,23 +128,26 @@ class VLLMServer:
 
 
 def reward_gpu_split(stage: str, cfg: Config, visible: list[str]) -> tuple[list[str], dict[str, list[str]]]:
-    """The task's GPUs split into the trainer's and each served role's (an equal share each)."""
+    """This node's GPUs split into the trainer's and each served role's (an equal share each). A node gets
+    1/num_nodes of world_size and of reward_gpus (config checks that both split evenly)."""
     tcfg = getattr(cfg, stage)
     roles = served_roles(cfg, stage)
-    need = tcfg.world_size + tcfg.reward_gpus
-    if len(visible) < need:
+    train, reward = tcfg.world_size // tcfg.num_nodes, tcfg.reward_gpus // tcfg.num_nodes
+    on = f" on each of {tcfg.num_nodes} nodes" if tcfg.num_nodes > 1 else ""
+    if len(visible) < train + reward:
+        per_node = f" / num_nodes {tcfg.num_nodes}" if tcfg.num_nodes > 1 else ""
         raise ConfigError(
-            f"{stage}: world_size {tcfg.world_size} + reward_gpus {tcfg.reward_gpus} = {need} GPUs, but this "
-            f"task sees {len(visible)}"
+            f"{stage}: (world_size {tcfg.world_size} + reward_gpus {tcfg.reward_gpus}){per_node} = "
+            f"{train + reward} GPUs, but this task sees {len(visible)}"
         )
-    if roles and tcfg.reward_gpus < len(roles):
+    if roles and reward < len(roles):
         raise ConfigError(
-            f"{stage}: reward_gpus is {tcfg.reward_gpus} but the task serves {len(roles)} model(s) {list(roles)}: "
+            f"{stage}: reward_gpus is {reward}{on} but the task serves {len(roles)} model(s) {list(roles)}: "
             "give each at least one GPU, or its URL in models.<role>_url"
         )
-    reward = visible[tcfg.world_size : need]
-    share = len(reward) // len(roles) if roles else 0
-    return visible[: tcfg.world_size], {r: reward[i * share : (i + 1) * share] for i, r in enumerate(roles)}
+    share = reward // len(roles) if roles else 0
+    served = visible[train : train + reward]
+    return visible[:train], {r: served[i * share : (i + 1) * share] for i, r in enumerate(roles)}
 
 
 @contextlib.contextmanager

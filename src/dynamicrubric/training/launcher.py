@@ -1,12 +1,14 @@
 """Launching a training stage.
 
-Processes. `launch` (used by the pipeline's training components) runs `training.process` under
-`accelerate launch` with one process per GPU the task requests (`train_*.world_size`; FSDP on GPU
+Processes. `launch` (used by the pipeline's training components on one node) runs `training.process`
+under `accelerate launch` with one process per GPU the task requests (`train_*.world_size`; FSDP on GPU
 with the config shipped in `dynamicrubric/accelerate/`; one GPU is a plain one-process launch); on CPU
-the same launcher runs one process (--cpu) or several (gloo). On GPU the trained model generates with
-TRL's vLLM colocate mode (sleep mode on), and the reward reaches G and V through vLLM servers that
-`launch` starts on the task's `reward_gpus` (serving.py), or through the user's endpoints
-(`models.<role>_url`); on CPU the reward loads them in-process (see docs/training.md).
+the same launcher runs one process (--cpu) or several (gloo). On several nodes every node of the
+TrainJob runs `run_node` with its `Rendezvous` (training/node.py, training/trainjob.py). On GPU the
+trained model generates with TRL's vLLM colocate mode (sleep mode on), and the reward reaches G and V
+through vLLM servers that `run_node` starts on the node's share of `reward_gpus` (serving.py), or
+through the user's endpoints (`models.<role>_url`); on CPU the reward loads them in-process (see
+docs/training.md).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -80,15 +84,42 @@ def bound_lm_head_tiles() -> None:
     chunked_logprob.TOKEN_CHUNK_SIZE = min(chunked_logprob.TOKEN_CHUNK_SIZE, CPU_LM_HEAD_TILE_TOKENS)
 
 
-def launch_command(
-    world_size: int, args: list[str], num_nodes: int = 1, cuda: bool | None = None
-) -> list[str]:
-    """`accelerate launch` of this module with `world_size` processes over `num_nodes` machines: one per
-    GPU with CUDA (FSDP for several), else CPU processes (--cpu for one, gloo for several). `cuda`
-    defaults to this machine's (a TrainJob's nodes are GPU nodes whatever the submitting task is)."""
-    cuda = torch.cuda.is_available() if cuda is None else cuda
+RENDEZVOUS_ENV = ("PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """This node's place in a launch over several nodes: how many, its rank, and where rank 0 listens."""
+
+    num_nodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> Rendezvous:
+        """What Kubeflow Trainer's torch runtime sets on every node (the variables torchrun reads)."""
+        missing = [name for name in RENDEZVOUS_ENV if not environ.get(name)]
+        if missing:
+            raise TrainingError(
+                f"{', '.join(missing)} not set: a node of a several-node launch takes its rank and rank 0's "
+                "address from the torch runtime of Kubeflow Trainer (a TrainJob, see training/trainjob.py)"
+            )
+        nodes, rank, addr, port = (environ[name] for name in RENDEZVOUS_ENV)
+        return cls(int(nodes), int(rank), addr, int(port))
+
+
+def launch_command(world_size: int, args: list[str], node: Rendezvous | None = None) -> list[str]:
+    """`accelerate launch` of the training process with `world_size` processes in all (over the nodes of
+    `node`, this machine's rank among them, else on this machine alone): one per GPU with CUDA (FSDP for
+    several), else CPU processes (--cpu for one, gloo for several)."""
+    cuda = torch.cuda.is_available()
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(world_size)]
-    cmd += ["--num_machines", str(num_nodes), "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd += ["--num_machines", str(node.num_nodes if node else 1)]
+    if node:
+        cmd += ["--machine_rank", str(node.node_rank), "--main_process_ip", node.master_addr]
+        cmd += ["--main_process_port", str(node.master_port)]
+    cmd += ["--mixed_precision", "no", "--dynamo_backend", "no"]
     fsdp = accelerate_config(world_size, cuda)
     if fsdp is not None:
         cmd += ["--config_file", str(fsdp)]
@@ -102,23 +133,41 @@ def launch_command(
     return cmd + ["-m", "dynamicrubric.training.process", *args]
 
 
-def launch(cfg: Config, job: TrainingJob) -> dict:
-    """Run a training job in `world_size` fresh processes and return its final metrics (the steps'
-    time measurements under "timings").
+def check_job(cfg: Config, job: TrainingJob) -> None:
+    """Bad inputs refused in one line before `accelerate launch` starts processes that would load the
+    models first and fail with two tracebacks (the process's and accelerate's)."""
+    setting = trainee(cfg, job.stage)
+    dataset = job_dataset(cfg, job)
+    check_batch(job.stage, setting.tcfg, setting.num_generations, len(dataset["prompt"]))
+    check_context(job.stage, cfg, job.model_ref, dataset, setting.max_new_tokens, setting.enable_thinking)
 
-    With `reward_gpus` the task first starts a vLLM server for each reward model it serves
-    (`serving.reward_servers`) on the GPUs after the trainer's, trains with their URLs in the config,
-    and stops them whatever happens. The config and the job travel as files."""
+
+def launch(cfg: Config, job: TrainingJob) -> dict:
+    """Run a training job in `world_size` fresh processes on this machine and return its final metrics
+    (the steps' time measurements under "timings"). The config and the job travel as files."""
     if store.is_complete(job.out_uri):
         return already_done(job.out_uri, job.metrics_uri)
-    key, setting = job.stage.replace("-", "_"), trainee(cfg, job.stage)
-    tcfg = setting.tcfg
-    # Bad inputs are refused here, in one line, before `accelerate launch` starts processes that would
-    # load the models first and fail with two tracebacks (the process's and accelerate's).
-    dataset = job_dataset(cfg, job)
-    check_batch(job.stage, tcfg, setting.num_generations, len(dataset["prompt"]))
-    check_context(job.stage, cfg, job.model_ref, dataset, setting.max_new_tokens, setting.enable_thinking)
-    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as servers:
+    check_job(cfg, job)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = str(Path(tmp) / "result.json")
+        code = run_node(cfg, job, result, Path(tmp))
+        if code != 0:
+            raise launch_error(job.stage, result, f"the training process exited with code {code}")
+        return json.loads(store.read_bytes(result))
+
+
+def run_node(
+    cfg: Config, job: TrainingJob, result_uri: str, tmp: Path, node: Rendezvous | None = None
+) -> int:
+    """This machine's part of a training job; returns `accelerate launch`'s exit code.
+
+    With `reward_gpus` it first starts a vLLM server for each reward model it serves
+    (`serving.reward_servers`) on this machine's share of them, after the trainer's GPUs, trains with
+    their URLs in the config, and stops them whatever happens: every node of a several-node job serves
+    its own copies, which its processes reach on localhost. Rank 0 writes the final metrics to
+    `result_uri`, or what it raised to `error_uri(result_uri)`."""
+    key, tcfg = job.stage.replace("-", "_"), trainee(cfg, job.stage).tcfg
+    with contextlib.ExitStack() as servers:
         env = training_env(tcfg, os.environ)
         roles = served_roles(cfg, key) if tcfg.reward_gpus else ()
         if roles:
@@ -126,26 +175,31 @@ def launch(cfg: Config, job: TrainingJob) -> dict:
 
             train_gpus, role_gpus = reward_gpu_split(key, cfg, visible_gpus())
             folders = {r: str(resolve_model(getattr(job, r) or getattr(cfg.models, r))) for r in roles}
-            urls = servers.enter_context(reward_servers(cfg, key, folders, role_gpus, Path(tmp) / "servers"))
+            urls = servers.enter_context(reward_servers(cfg, key, folders, role_gpus, tmp / "servers"))
             models = cfg.models.model_copy(update={f"{r}_url": url for r, url in urls.items()})
             cfg = cfg.model_copy(update={"models": models})
             env["CUDA_VISIBLE_DEVICES"] = ",".join(train_gpus)
-        config_file, job_file, result_file = (
-            Path(tmp) / n for n in ("config.yaml", "job.json", "result.json")
-        )
+        config_file, job_file = tmp / "config.yaml", tmp / "job.json"
         config_file.write_text(cfg.to_yaml())
         job_file.write_text(job.to_json())
-        args = ["--config", str(config_file), "--job", str(job_file), "--result", str(result_file)]
-        proc = subprocess.run(launch_command(tcfg.world_size, args), env=env, check=False)
-        if proc.returncode != 0:
-            error_file = result_file.with_suffix(".error")
-            if error_file.exists():  # what the process raised, said again here (its traceback is above)
-                error = json.loads(error_file.read_text())
-                if error["user"]:
-                    raise TrainingError(error["message"])
-                raise RuntimeError(f"{job.stage}: {error['type']}: {error['message']}")
-            raise RuntimeError(f"{job.stage}: the training process exited with code {proc.returncode}")
-        return json.loads(result_file.read_text())
+        args = ["--config", str(config_file), "--job", str(job_file), "--result", result_uri]
+        return subprocess.run(launch_command(tcfg.world_size, args, node), env=env, check=False).returncode
+
+
+def error_uri(result_uri: str) -> str:
+    """Where a training process that raised writes what it raised, beside its result."""
+    return result_uri + ".error"
+
+
+def launch_error(stage: str, result_uri: str, otherwise: str) -> Exception:
+    """The error a failed training launch raises: what its process raised, said again here (its traceback
+    is above), a TrainingError for bad input; else `otherwise`."""
+    if not store.exists(error_uri(result_uri)):
+        return RuntimeError(f"{stage}: {otherwise}")
+    error = json.loads(store.read_bytes(error_uri(result_uri)))
+    if error["user"]:
+        return TrainingError(error["message"])
+    return RuntimeError(f"{stage}: {error['type']}: {error['message']}")
 
 
 def visible_gpus() -> list[str]:

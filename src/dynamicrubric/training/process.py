@@ -7,11 +7,11 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 
 from dynamicrubric import store
 from dynamicrubric.training.data import TrainingJob
 from dynamicrubric.training.grpo import train
+from dynamicrubric.training.launcher import error_uri
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--job", required=True, help="the job as JSON (training.data.TrainingJob; path or URI)"
     )
-    parser.add_argument("--result", default=None, help="write the final metrics here as JSON")
+    parser.add_argument(
+        "--result", default=None, help="write the final metrics here as JSON (a path or s3:// URI)"
+    )
     a = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # Local files from the one-node launcher; URIs in the store on a TrainJob's nodes (training/trainjob.py)
@@ -43,13 +45,13 @@ def main(argv: list[str] | None = None) -> int:
                 e, ArtifactError | ConfigError | store.StoreError | EngineError | ModelError | ValueError
             )
             error = {"user": user, "type": type(e).__name__, "message": str(e)}
-            Path(a.result).with_suffix(".error").write_text(json.dumps(error))
+            store.write_bytes(error_uri(a.result), json.dumps(error).encode())
         raise
     from accelerate import PartialState
 
     state = PartialState()
     if a.result and state.is_main_process:
-        Path(a.result).write_text(json.dumps(final))
+        store.write_bytes(a.result, json.dumps(final).encode())
     # Every rank is past its last collective (_grpo ends on a barrier); a rank that exits with the
     # process group still alive can abort in gloo's threads ("terminate called without an active
     # exception", exit code -6) and fail a finished task.
