@@ -248,12 +248,21 @@ def prepare_model(name: str) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     # One builder at a time per cache (parallel shards would each spend ~40 s building SmolLM2): the
     # others wait on the lock and then find the folder; the rename below keeps a crash mid-build safe.
+    if _in_process_group():
+        # transformers' save_pretrained writes nothing on a rank other than 0 of an initialised process
+        # group, and a node of a several-node job has no rank 0 of its own: build in a fresh process
+        # (which takes the lock below itself).
+        code = f"from dynamicrubric.models import prepare_model; prepare_model({name!r})"
+        subprocess.run([sys.executable, "-c", code], check=True)
+        return final
     with _cache_lock(final.parent):
         if (final / "config.json").is_file():
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=final.parent))
         try:
             builders[name](tmp)
+            if not (tmp / "config.json").is_file():  # never publish a partial build as the model
+                raise ModelError(f"building {name} wrote no config.json into {tmp}")
             try:
                 os.rename(tmp, final)  # atomic; fails if another process finished first
             except OSError:
@@ -262,6 +271,11 @@ def prepare_model(name: str) -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _in_process_group() -> bool:
+    dist = sys.modules.get("torch.distributed")  # not imported: no process group (and no torch import here)
+    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 # --------------------------------------------------------------------------------------------------
