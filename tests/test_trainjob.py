@@ -1,20 +1,53 @@
-"""A two-node training stage as a Kubeflow Trainer TrainJob, built with the SDK's own models and checked
-field by field (no Kubernetes API server here: the object is what would be submitted)."""
+"""A training stage on several nodes as a Kubeflow Trainer TrainJob (training/trainjob.py).
+
+The object is built with the SDK's own models and checked field by field. Submitting, following,
+failing, cancelling and retrying run against tests/k8s_standin.py, a named stand-in of the Kubernetes
+API and of Trainer's controller (no API server can run here): the `kubernetes` client talks to it over
+HTTP with a kubeconfig, as a task does outside a pod, and it runs each node as a real process with the
+torch runtime's PET_* variables, so two nodes train together (gloo over loopback) on SeaweedFS.
+"""
 
 from __future__ import annotations
 
-import shlex
+import json
+import os
+import signal
 import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
+import torch
+import yaml
+from k8s_standin import KubernetesStandIn
 from kubeflow_trainer_api import models as k8s
+from safetensors.torch import load_file
+from test_train import _cfg
 
+from dynamicrubric import store, tasks
+from dynamicrubric.artifacts import write_artifact
 from dynamicrubric.config import S3_ENV, load_config
 from dynamicrubric.training import launcher
+from dynamicrubric.training.checkpoints import STALL_ENV
 from dynamicrubric.training.data import TrainingJob
-from dynamicrubric.training.trainjob import API_VERSION, TORCH_RUNTIME, node_command, train_job
+from dynamicrubric.training.trainjob import (
+    API_VERSION,
+    TORCH_RUNTIME,
+    TrainJobFailed,
+    train_job,
+    train_on_nodes,
+    trainjob_name,
+)
 
-TWO_NODES = {"train_policy": {"num_nodes": 2}, "pipeline": {"s3_secret": "dynamicrubric-s3"}}
+# Both of the paper's trainers on 2 nodes of 8 GPUs: each node trains on 6 (policy) or 7 (evaluator) and
+# serves its own reward models on the rest (the policy's G and V, the evaluator's V).
+TWO_NODES = {
+    "train_policy": {"num_nodes": 2, "world_size": 12, "reward_gpus": 4, "prompts_per_step": 36},
+    "train_evaluator": {"num_nodes": 2, "world_size": 14, "reward_gpus": 2, "prompts_per_step": 35},
+    "pipeline": {"s3_secret": "dynamicrubric-s3"},
+}
 
 
 def _job() -> TrainingJob:
@@ -23,9 +56,14 @@ def _job() -> TrainingJob:
 
 
 def test_a_two_node_stage_renders_as_a_trainjob_field_by_field():
-    cfg = load_config(preset="paper", overrides=TWO_NODES)
-    built = train_job(cfg, _job(), name="r1-train-policy", namespace="team-a",
-                      config_uri="s3://runs/r1/config.yaml", job_uri="s3://runs/r1/train-policy.json")  # fmt: skip
+    scheduling = {"node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}, "image_pull_secrets": ["regcred"],
+                  "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule",
+                                   "toleration_seconds": 60}]}  # fmt: skip
+    cfg = load_config(
+        preset="paper", overrides={**TWO_NODES, "pipeline": {**TWO_NODES["pipeline"], **scheduling}}
+    )
+    built = train_job(cfg, _job(), name="r1-train-policy", namespace="team-a", config_uri="s3://runs/r1/config.yaml",
+                      job_uri="s3://runs/r1/job.json", result_uri="s3://runs/r1/result.json")  # fmt: skip
     d = built.to_dict()
     assert (d["apiVersion"], d["kind"]) == (API_VERSION, "TrainJob")
     assert d["metadata"]["name"] == "r1-train-policy" and d["metadata"]["namespace"] == "team-a"
@@ -34,31 +72,101 @@ def test_a_two_node_stage_renders_as_a_trainjob_field_by_field():
     assert spec["activeDeadlineSeconds"] == cfg.pipeline.stage_resources("train_policy").timeout_s
     trainer = spec["trainer"]
     assert trainer["numNodes"] == 2 and trainer["image"] == cfg.pipeline.image
-    per_node = {"nvidia.com/gpu": "3", "cpu": "64", "memory": "512Gi"}  # world_size 6 over 2 nodes
+    per_node = {"nvidia.com/gpu": "8", "cpu": "64", "memory": "512Gi"}  # (12 training + 4 reward) / 2 nodes
     assert trainer["resourcesPerNode"] == {"limits": per_node, "requests": per_node}
-    assert [e["name"] for e in trainer["env"]] == list(S3_ENV)
-    assert {e["valueFrom"]["secretKeyRef"]["name"] for e in trainer["env"]} == {"dynamicrubric-s3"}
+    cache = [{"name": "DYNRUBRIC_CACHE", "value": "/model-cache/dynamicrubric"},
+             {"name": "HF_HOME", "value": "/model-cache/huggingface"}]  # fmt: skip
+    assert trainer["env"][:2] == cache and [e["name"] for e in trainer["env"][2:]] == list(S3_ENV)
+    assert {e["valueFrom"]["secretKeyRef"]["name"] for e in trainer["env"][2:]} == {"dynamicrubric-s3"}
+    # the node pods get what a GPU task of the pipeline gets, through the runtime's patch
+    (patch,) = spec["runtimePatches"]
+    assert patch["manager"] == "dynamicrubric.io/training"
+    (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    pod = node["template"]["spec"]["template"]
+    assert node["name"] == "node" and pod["metadata"] == {
+        "labels": {"dynamicrubric.io/s3-client": "true"},  # admitted to the store (networkpolicies.yaml)
+        "annotations": {"sidecar.istio.io/inject": "false"},
+    }
+    assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert pod["spec"]["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 60}
+    ]
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["spec"]["volumes"] == [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": cfg.pipeline.shm_size}},
+        {"name": "model-cache", "emptyDir": {"sizeLimit": cfg.pipeline.model_cache_size}},
+    ]
+    assert pod["spec"]["containers"] == [{"name": "node", "volumeMounts": [
+        {"name": "dshm", "mountPath": "/dev/shm"}, {"name": "model-cache", "mountPath": "/model-cache"}]}]  # fmt: skip
+    assert trainer["command"] == [sys.executable, "-m", "dynamicrubric.training.node", "--config",
+        "s3://runs/r1/config.yaml", "--job", "s3://runs/r1/job.json", "--result", "s3://runs/r1/result.json"]  # fmt: skip
     # what the SDK's models accept back is the same object: it validates against them
     assert k8s.TrainerV1alpha1TrainJob.from_dict(d).to_dict() == d
 
 
-def test_every_node_launches_the_whole_world_size_from_the_runtime_rendezvous(tmp_path):
-    cmd = node_command(6, 2, "s3://runs/r1/config.yaml", "s3://runs/r1/job.json")
-    assert cmd[:2] == ["sh", "-c"]
-    # The shell expands the runtime's variables and nothing else: run the line through `sh` with echo
-    # in place of the interpreter, as a node would with PET_* set.
-    env = {"PET_NODE_RANK": "1", "PET_MASTER_ADDR": "trainjob-node-0-0.trainjob", "PET_MASTER_PORT": "29400"}
-    line = cmd[2].replace(shlex.quote(launcher.sys.executable), "echo", 1)
-    words = subprocess.run(
-        ["sh", "-c", line], env=env, capture_output=True, text=True, check=True
-    ).stdout.split()
+def test_the_compiled_two_node_package_submits_from_a_task_without_gpus(tmp_path):
+    """In the compiled paper package the two training tasks request no GPU (they submit and follow);
+    the other GPU tasks keep theirs."""
+    from kfp import compiler
+
+    from dynamicrubric.pipelines.co_evolution import build_pipeline
+
+    cfg = load_config(
+        preset="paper", overrides={**TWO_NODES, "pipeline": {**TWO_NODES["pipeline"], "rounds": 1}}
+    )
+    package = tmp_path / "two-nodes.yaml"
+    compiler.Compiler().compile(build_pipeline(cfg), str(package))
+    executors = next(yaml.safe_load_all(package.read_text()))["deploymentSpec"]["executors"]
+    resources = {name: e["container"].get("resources", {}) for name, e in executors.items()}
+    for stage in ("train-policy", "train-evaluator"):
+        assert "accelerator" not in resources[f"exec-{stage}"], stage
+        assert resources[f"exec-{stage}"]["cpuLimit"] == 1.0
+    assert resources["exec-rollout"]["accelerator"]["resourceCount"] == "1"
+
+
+def test_every_node_launches_the_whole_world_size_from_the_runtime_rendezvous():
+    env = {
+        "PET_NNODES": "2",
+        "PET_NODE_RANK": "1",
+        "PET_MASTER_ADDR": "job-node-0-0.job",
+        "PET_MASTER_PORT": "29400",
+    }
+    words = launcher.launch_command(6, ["--config", "c.yaml"], launcher.Rendezvous.from_env(env))
     flag = {words[i]: words[i + 1] for i in range(len(words) - 1) if words[i].startswith("--")}
     assert flag["--num_processes"] == "6" and flag["--num_machines"] == "2"
-    assert flag["--machine_rank"] == "1" and flag["--main_process_ip"] == env["PET_MASTER_ADDR"]
+    assert flag["--machine_rank"] == "1" and flag["--main_process_ip"] == "job-node-0-0.job"
     assert flag["--main_process_port"] == "29400"
-    assert flag["--config_file"] == str(launcher.accelerate_config(6, cuda=True))  # FSDP, on GPU nodes
-    assert words[words.index("-m", words.index("--num_processes")) + 1] == "dynamicrubric.training.process"
-    assert (flag["--config"], flag["--job"]) == ("s3://runs/r1/config.yaml", "s3://runs/r1/job.json")
+    with pytest.raises(launcher.TrainingError, match="^PET_NODE_RANK, PET_MASTER_PORT not set: a node"):
+        launcher.Rendezvous.from_env({"PET_NNODES": "2", "PET_MASTER_ADDR": "x"})
+
+
+def test_a_node_of_a_trainjob_with_another_node_count_refuses_to_start(tmp_path):
+    """A rank that would train at another world size than configured is refused before anything loads."""
+    cfg = _cfg(train_policy={"world_size": 2, "num_nodes": 2})
+    (tmp_path / "config.yaml").write_text(cfg.to_yaml())
+    (tmp_path / "job.json").write_text(
+        TrainingJob("train-policy", str(tmp_path / "p"), str(tmp_path / "s")).to_json()
+    )
+    env = {
+        **os.environ,
+        "PET_NNODES": "3",
+        "PET_NODE_RANK": "0",
+        "PET_MASTER_ADDR": "127.0.0.1",
+        "PET_MASTER_PORT": "1",
+    }
+    args = [
+        "--config",
+        str(tmp_path / "config.yaml"),
+        "--job",
+        str(tmp_path / "job.json"),
+        "--result",
+        "r.json",
+    ]
+    proc = subprocess.run([sys.executable, "-m", "dynamicrubric.training.node", *args], env=env, capture_output=True,
+                          text=True, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: train-policy: the TrainJob runs 3 node(s) (PET_NNODES) but num_nodes is 2 "
+        "in the config; every rank must train at the world size it was configured for")  # fmt: skip
 
 
 def test_nodes_that_cannot_split_the_processes_evenly_are_refused():
@@ -70,7 +178,6 @@ def test_a_node_reads_its_config_and_job_from_the_store(s3_env, tmp_path):
     """A TrainJob's node has no file of the KFP task's: the process reads the config and the job from
     their s3:// URIs. The job's checkpoint is already complete (a retried node after the work was
     done), so the process only reads, recognises it and reports the recorded numbers."""
-    import json
     import os
     import sys
 
@@ -92,3 +199,138 @@ def test_a_node_reads_its_config_and_job_from_the_store(s3_env, tmp_path):
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(result.read_text()) == {"reward_mean": 0.5, "timings": []}
+
+
+# ---- against the Kubernetes stand-in: two CPU nodes train together
+
+# 8 prompts, 2 a step, 2 steps; one process on each of 2 nodes (gloo), a trainer checkpoint every step.
+NODES_TRAIN = {
+    "world_size": 2,
+    "num_nodes": 2,
+    "max_steps": 2,
+    "save_steps": 1,
+    "per_device_train_batch_size": 2,
+}
+
+
+@pytest.fixture
+def cluster(s3_env, seaweed, tmp_path, monkeypatch):
+    """The stand-in with the S3 secret, its kubeconfig as the task's, and a clean environment for the
+    nodes (no S3 credentials of the test's own: they must come from the secret)."""
+    base_env = {k: v for k, v in os.environ.items() if k not in S3_ENV and not k.startswith(("KUBE", "PET_"))}
+    standin = KubernetesStandIn(tmp_path / "pods", {"dynamicrubric-s3": seaweed.env()}, base_env).start()
+    monkeypatch.setenv("KUBECONFIG", str(standin.kubeconfig(tmp_path / "kubeconfig", "team-a")))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setattr("dynamicrubric.training.trainjob.POLL_S", 0.5)
+    yield standin
+    standin.stop()
+    assert standin.unhandled == []
+
+
+def _nodes_job(bucket: str, name: str, cfg) -> TrainingJob:
+    prompts = f"s3://{bucket}/prompts.parquet"
+    write_artifact(prompts, "prompts", tasks.configured_prompts(cfg.data, "train"))
+    root = f"s3://{bucket}/{name}"
+    return TrainingJob("train-policy", f"{root}/policy", f"{root}/steps", f"{root}/metrics.parquet", round_idx=1,
+                       policy="tiny-random", generator="tiny-random", prompts_uri=prompts)  # fmt: skip
+
+
+def _weights(uri: str, local: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(store.download_dir(uri, local) / "model.safetensors"))
+
+
+@pytest.mark.slow  # three 2-node launches, each two processes on 2 cores: about 3 min
+def test_two_nodes_train_a_failed_trainjob_fails_the_task_and_a_retry_resumes(
+    cluster, s3_env, tmp_path, capfd
+):
+    cfg = _cfg(train_policy=NODES_TRAIN, data={"num_prompts": 8}, pipeline={"s3_secret": "dynamicrubric-s3"})
+
+    # 1. An uninterrupted TrainJob: both nodes train, the task copies their outputs to its own.
+    whole = _nodes_job(s3_env, "whole", cfg)
+    final = train_on_nodes(cfg, whole)
+    out = capfd.readouterr().out
+    name = trainjob_name(whole)
+    assert f"TrainJob team-a/{name}: submitted, 2 nodes x 1 GPUs, 2 training processes" in out
+    assert f"TrainJob team-a/{name}: complete" in out
+    assert "[node-0] node 0 of 2: rank 0 at 127.0.0.1:" in out and "[node-1] node 1 of 2" in out
+    assert "loss" in final and {r["step"] for r in final["timings"]} == {1, 2}  # both steps trained
+    assert store.is_complete(whole.out_uri) and store.exists(whole.metrics_uri)
+    assert store.list_files(whole.steps_uri)  # every step's scoring artifacts, both ranks'
+    (created,) = cluster.created
+    assert created["spec"]["trainer"]["numNodes"] == 2 and cluster.authorizations == {"Bearer standin-token"}
+
+    # 2. Node 1 lost after step 1's checkpoint: the TrainJob fails, so does the task, in one line.
+    killed = _nodes_job(s3_env, "killed", cfg)
+    name = trainjob_name(killed)
+    cluster.node_env[STALL_ENV] = "1"
+
+    def lose_node_1() -> None:
+        for _ in range(600):
+            if cluster.job(name):
+                break
+            time.sleep(0.5)
+        cluster.wait_for_log(name, "stalled after step 1")
+        cluster.kill_node(name, 1)
+
+    threading.Thread(target=lose_node_1, daemon=True).start()
+    with pytest.raises(TrainJobFailed) as failed:
+        train_on_nodes(cfg, killed)
+    assert str(failed.value) == (f"train-policy: TrainJob team-a/{name} failed: NodeFailed: node 1 exited with "
+                                 "code -9")  # fmt: skip
+    stored = f"{killed.out_uri}.work/trainjob/out.work"
+    assert store.is_complete(f"{stored}/checkpoint-00001")  # rank 0's files, the marker after every node's
+    assert store.is_complete(f"{stored}/nodes/node-1/checkpoint-00001")  # node 1's: its rank's RNG state
+    part = store.read_manifest(f"{stored}/nodes/node-1/checkpoint-00001")["files"]
+    assert set(part) == {"rng_state_1.pth"}, part  # what rank 0 cannot upload: it is on node 1's disk
+    assert not store.is_complete(killed.out_uri)
+
+    # 3. The retried task: the failed TrainJob goes, a new one resumes from step 1's checkpoint in the store
+    #    (the nodes are fresh scratch folders) and ends with the uninterrupted run's weights.
+    cluster.node_env.clear()
+    capfd.readouterr()
+    train_on_nodes(cfg, killed)
+    out = capfd.readouterr().out
+    assert (
+        cluster.deleted == [name] and f"TrainJob team-a/{name}: deleting the one a failed attempt left" in out
+    )
+    assert f"resuming from {killed.out_uri}.work/trainjob/out.work/checkpoint-00001" in out
+    a, b = _weights(whole.out_uri, tmp_path / "a"), _weights(killed.out_uri, tmp_path / "b")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow  # one 2-node launch, stopped after its first step
+def test_a_cancelled_task_deletes_its_trainjob(cluster, s3_env, tmp_path):
+    """KFP cancels a task by stopping its pod (SIGTERM): the task deletes its TrainJob, whose nodes would
+    otherwise hold their GPUs until its deadline."""
+    cfg = _cfg(train_policy=NODES_TRAIN, data={"num_prompts": 8}, pipeline={"s3_secret": "dynamicrubric-s3"})
+    job = _nodes_job(s3_env, "cancelled", cfg)
+    name = trainjob_name(job)
+    (tmp_path / "config.yaml").write_text(cfg.to_yaml())
+    (tmp_path / "job.json").write_text(job.to_json())
+    cluster.node_env[STALL_ENV] = "1"
+    script = (
+        "import sys; from pathlib import Path\n"
+        "from dynamicrubric.config import config_from_yaml\n"
+        "from dynamicrubric.training.data import TrainingJob\n"
+        "from dynamicrubric.training import trainjob\n"
+        "trainjob.POLL_S = 0.5\n"
+        "trainjob.train_on_nodes(config_from_yaml(Path(sys.argv[1]).read_text()), "
+        "TrainingJob.from_json(Path(sys.argv[2]).read_text()))\n"
+    )
+    task = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "config.yaml"), str(tmp_path / "job.json")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        for _ in range(600):
+            if cluster.job(name):
+                break
+            time.sleep(0.5)
+        cluster.wait_for_log(name, "stalled after step 1")
+        nodes = cluster.job(name).nodes
+        task.send_signal(signal.SIGTERM)
+        output, _ = task.communicate(timeout=120)
+    finally:
+        task.kill()
+    assert task.returncode != 0
+    assert f"TrainJob team-a/{name}: deleted (the task stopped following it)" in output
+    assert cluster.deleted == [name] and cluster.job(name) is None
+    assert all(node.proc.poll() is not None for node in nodes)

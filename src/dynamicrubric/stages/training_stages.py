@@ -13,6 +13,18 @@ from dynamicrubric.stages.spec import Data, Stage
 # ---- training
 
 
+def _train(cfg: Config, job) -> dict:
+    """On this task's machine, or on num_nodes nodes as a Kubeflow Trainer TrainJob that the task submits
+    and follows (training/trainjob.py)."""
+    if getattr(cfg, job.stage.replace("-", "_")).num_nodes > 1:
+        from dynamicrubric.training.trainjob import train_on_nodes
+
+        return train_on_nodes(cfg, job)
+    from dynamicrubric.training.launcher import launch
+
+    return launch(cfg, job)
+
+
 def _train_lineage(role: str):
     def lineage(run, run_name: str, round_idx: int, values: dict, result: dict) -> None:
         run.log_metrics_table(values["out_metrics"])
@@ -27,12 +39,11 @@ def _train_lineage(role: str):
 def train_evaluator(cfg: Config, round_idx: int, *, generator, verifier, candidate_sets, anchors, **out):
     """Online GRPO on the generator over P_{t−1}'s candidate sets (see dynamicrubric.training)."""
     from dynamicrubric.training.data import TrainingJob
-    from dynamicrubric.training.launcher import launch
 
     outputs = (out["out_generator"], out["out_steps"], out["out_metrics"], round_idx)
     models = {"generator": generator, "verifier": verifier}
     job = TrainingJob("train-evaluator", *outputs, candidates=candidate_sets, anchors=anchors, **models)
-    return launch(cfg, job)
+    return _train(cfg, job)
 
 
 STEPS = Data("steps", "folder", "folder for the per-step artifacts", kfp_type="Artifact")
@@ -60,13 +71,12 @@ TRAIN_EVALUATOR = Stage(
 def train_policy(cfg: Config, round_idx: int, *, policy, generator, verifier, prompts, **out):
     """Online GRPO on the policy, rewarded by the round's evaluator (see dynamicrubric.training)."""
     from dynamicrubric.training.data import TrainingJob
-    from dynamicrubric.training.launcher import launch
 
     outputs = (out["out_policy"], out["out_steps"], out["out_metrics"], round_idx)
     job = TrainingJob(
         "train-policy", *outputs, policy=policy, generator=generator, verifier=verifier, prompts_uri=prompts
     )
-    return launch(cfg, job)
+    return _train(cfg, job)
 
 
 TRAIN_POLICY = Stage(

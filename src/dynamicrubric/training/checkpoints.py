@@ -120,8 +120,22 @@ def resume_point(stage: str, work_uri: str, origin: dict, steps: int) -> str | N
     return uri
 
 
+def node_part(uri: str, node: int) -> str:
+    """Where node `node` (> 0) of a several-node job keeps its ranks' files of checkpoint `uri`: each node
+    writes its own processes' files (their RNG states, FSDP's sharded optimizer state) on its own disk,
+    which rank 0 cannot upload."""
+    work, name = uri.rstrip("/").rsplit("/", 1)
+    return store.join(work, "nodes", f"node-{node}", name)
+
+
+def this_node() -> int:
+    """This process's node in the launch (torchrun's GROUP_RANK; 0 when it runs alone)."""
+    return int(os.environ.get("GROUP_RANK", "0"))
+
+
 def fetch_checkpoint(uri: str, scratch: Path) -> str:
-    """A stored trainer checkpoint in the scratch folder (a local one is read where it is)."""
+    """A stored trainer checkpoint in the scratch folder (a local one is read where it is), with this
+    node's own part of it beside rank 0's on a node other than the first."""
     local = scratch / uri.rstrip("/").rsplit("/", 1)[-1]
     marker = local / store.COMPLETE_MARKER
     stored = store.read_manifest(uri)
@@ -129,27 +143,48 @@ def fetch_checkpoint(uri: str, scratch: Path) -> str:
     if not (marker.is_file() and stored and json.loads(marker.read_text()).get("token") == stored["token"]):
         shutil.rmtree(local, ignore_errors=True)
         log.info("resuming from %s", uri)
-        local = store.download_dir(uri, local)
+        if this_node() > 0:
+            store.download_dir(node_part(uri, this_node()), local)
+        local = store.download_dir(uri, local)  # its marker last: the reuse check above reads it
     return str(local)
 
 
 def checkpoint_callback(work_uri: str, origin: dict):
     from transformers import TrainerCallback
 
+    def barrier() -> None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
     class UploadCheckpoints(TrainerCallback):
         """Copy each trainer checkpoint to the store (complete or absent), with the run's origin
-        beside it for the resume check, then drop older ones."""
+        beside it for the resume check, then drop older ones. Every process calls on_save: once all
+        have written their files, the first process of each other node uploads its node's part, and
+        rank 0 publishes the checkpoint, its marker last, once every part is in the store."""
 
         def on_save(self, args, state, control, **kwargs):
+            local = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            name = f"checkpoint-{state.global_step:05d}"
+            uri = store.join(work_uri, name)
+            barrier()  # every process's files are written (its RNG state is saved after the model)
+            node = this_node()
+            if state.is_local_process_zero and node > 0:
+                store.upload_dir(local, node_part(uri, node))
+                shutil.rmtree(local, ignore_errors=True)
+            barrier()  # every other node's part is stored
             if not state.is_world_process_zero:
                 return
-            local = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             (local / RESUME_INFO).write_text(json.dumps(origin, indent=1))
-            name = f"checkpoint-{state.global_step:05d}"
-            store.upload_dir(local, store.join(work_uri, name))
+            store.upload_dir(local, uri)
             for old in stored_checkpoints(work_uri):
                 if old != name:
                     store.delete_dir(store.join(work_uri, old))
+            nodes = store.join(work_uri, "nodes")  # the other nodes' parts: node-K/checkpoint-NNNNN
+            for part in {"/".join(f.split("/")[:2]) for f in store.list_files(nodes) if f.count("/") >= 2}:
+                if not part.endswith("/" + name):
+                    store.delete_dir(store.join(nodes, part))
             shutil.rmtree(local, ignore_errors=True)
             if os.environ.get(STALL_ENV) == str(state.global_step):
                 print(f"stalled after step {state.global_step}", flush=True)

@@ -1,0 +1,377 @@
+"""A loopback stand-in of the Kubernetes API and of Kubeflow Trainer's controller, for testing the
+training stage's TrainJob path (training/trainjob.py).
+
+No Kubernetes API server, Trainer controller or JobSet can run here. This serves the calls the
+`kubernetes` client makes for a TrainJob, and acts as the controller would: a TrainJob it accepts
+(parsed with kubeflow-trainer-api's own models, which reject a malformed one) starts `numNodes` node
+"pods", each the trainer's command as a local process in a fresh scratch folder (its own HOME, TMPDIR
+and model cache: nothing shared but the store), with the environment the torch runtime gives a node
+(PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR/PORT on loopback) and the container's
+env, secret references resolved from `secrets`. Like JobSet's default failure policy, a node that
+exits non-zero fails the TrainJob and the other nodes are killed; all nodes exiting 0 complete it; the
+active deadline is enforced. Deleting a TrainJob kills its nodes.
+
+Routes: POST .../namespaces/{ns}/trainjobs; GET and DELETE .../trainjobs/{name} (under
+/apis/trainer.kubeflow.org/v1alpha1); GET /api/v1/namespaces/{ns}/pods?labelSelector=k=v,... (node
+pods as a PodList the client deserialises into V1PodList); GET .../pods/{name}/log (follow streams
+until the node ends). Anything else is a 404 recorded in `unhandled`, so a test notices new calls.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from kubeflow_trainer_api import models as trainer_models
+
+TRAINJOBS = re.compile(r"^/apis/trainer\.kubeflow\.org/v1alpha1/namespaces/([^/]+)/trainjobs(?:/([^/]+))?$")
+PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+)/log)?$")
+RUNTIMES = ("torch-distributed",)
+GO_TRUE = ("1", "t", "T", "TRUE", "true", "True")  # what the API server's boolean query parameters accept  # the ClusterTrainingRuntimes "installed"
+
+
+@dataclass
+class Node:
+    pod: str
+    index: int
+    proc: subprocess.Popen
+    log: Path
+    created: str
+    phase: str = "Running"
+
+
+@dataclass
+class Job:
+    body: dict
+    nodes: list[Node] = field(default_factory=list)
+    deadline: float | None = None
+    conditions: list[dict] = field(default_factory=list)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node_mounts(trainjob: dict) -> list[dict]:
+    """The volume mounts the TrainJob's runtime patches give the node container."""
+    mounts = []
+    for patch in trainjob["spec"].get("runtimePatches") or []:
+        jobset = patch.get("trainingRuntimeSpec", {}).get("template", {}).get("spec", {})
+        for replicated in jobset.get("replicatedJobs") or []:
+            pod = replicated.get("template", {}).get("spec", {}).get("template", {}).get("spec", {})
+            if replicated.get("name") == "node":
+                for container in pod.get("containers") or []:
+                    if container.get("name") == "node":
+                        mounts += container.get("volumeMounts") or []
+    return mounts
+
+
+def _status(code: int, reason: str, message: str) -> dict:
+    """The body Kubernetes answers an error with (a meta/v1 Status)."""
+    return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "reason": reason,
+            "code": code}  # fmt: skip
+
+
+class KubernetesStandIn:
+    def __init__(self, scratch: Path, secrets: dict[str, dict[str, str]], base_env: dict[str, str],
+                 node_env: dict[str, str] | None = None):  # fmt: skip
+        self.scratch = scratch
+        self.secrets = secrets
+        self.base_env = base_env  # what the image gives every process (PATH and the like)
+        self.node_env = dict(node_env or {})  # what a pod template patch would add to the nodes
+        self.jobs: dict[tuple[str, str], Job] = {}
+        self.requests: list[tuple[str, str]] = []
+        self.unhandled: list[tuple[str, str]] = []
+        self.created: list[dict] = []  # every TrainJob body accepted, in order
+        self.deleted: list[str] = []
+        self.authorizations: set[str] = set()
+        self.lock = threading.RLock()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._threads = [threading.Thread(target=self._server.serve_forever, daemon=True),
+                         threading.Thread(target=self._controller, daemon=True)]  # fmt: skip
+        self._stopping = threading.Event()
+
+    @property
+    def host(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def kubeconfig(self, path: Path, namespace: str) -> Path:
+        path.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "standin",
+            "clusters": [{"name": "standin", "cluster": {"server": self.host}}],
+            "users": [{"name": "runner", "user": {"token": "standin-token"}}],
+            "contexts": [{"name": "standin", "context": {"cluster": "standin", "user": "runner", "namespace": namespace}}],
+        }))  # fmt: skip
+        return path
+
+    def start(self) -> KubernetesStandIn:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping.set()
+        with self.lock:
+            for job in self.jobs.values():
+                self._kill(job)
+        self._server.shutdown()
+        self._server.server_close()
+
+    # ---- what a test does to the "cluster"
+
+    def job(self, name: str, namespace: str = "team-a") -> Job | None:
+        with self.lock:
+            return self.jobs.get((namespace, name))
+
+    def kill_node(self, name: str, index: int, namespace: str = "team-a") -> None:
+        """A node lost (its process killed), as when a GPU node goes away."""
+        job = self.job(name, namespace)
+        assert job is not None, name
+        os.killpg(job.nodes[index].proc.pid, signal.SIGKILL)
+
+    def wait_for_log(self, name: str, text: str, timeout: float = 600, namespace: str = "team-a") -> None:
+        """Until some node of the TrainJob has printed `text`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            job = self.job(name, namespace)
+            if job and any(text in n.log.read_text(errors="replace") for n in job.nodes if n.log.exists()):
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"no node of {name} printed {text!r} in {timeout} s")
+
+    # ---- the controller
+
+    def _start_nodes(self, namespace: str, name: str, job: Job) -> None:
+        trainer = job.body["spec"]["trainer"]
+        nodes = trainer.get("numNodes", 1)
+        port = _free_port()
+        for index in range(nodes):
+            pod = f"{name}-node-0-{index}-{uuid.uuid4().hex[:5]}"
+            home = self.scratch / pod
+            (home / "tmp").mkdir(parents=True)
+            env = {**self.base_env, "HOME": str(home), "TMPDIR": str(home / "tmp"),
+                   "DYNRUBRIC_CACHE": str(home / "cache")}  # fmt: skip
+            for var in trainer.get("env") or []:
+                if "value" in var:
+                    env[var["name"]] = var["value"]
+                    continue
+                ref = var["valueFrom"]["secretKeyRef"]
+                value = self.secrets.get(ref["name"], {}).get(ref["key"])
+                if value is None and not ref.get("optional"):
+                    raise ValueError(f"secret {ref['name']} has no key {ref['key']}")
+                if value is not None:
+                    env[var["name"]] = value
+            # A volume is a folder of the pod: each mount path maps to one in the node's scratch, and a
+            # variable that points under a mount path points there.
+            for mount in _node_mounts(job.body):
+                folder = home / "volumes" / mount["name"]
+                folder.mkdir(parents=True, exist_ok=True)
+                for key, value in env.items():
+                    if value == mount["mountPath"] or value.startswith(mount["mountPath"].rstrip("/") + "/"):
+                        env[key] = str(folder) + value[len(mount["mountPath"]) :]
+            env.update(self.node_env)
+            env.update({"PET_NNODES": str(nodes), "PET_NPROC_PER_NODE": str(trainer.get("numProcPerNode", "auto")),
+                        "PET_NODE_RANK": str(index), "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port)})  # fmt: skip
+            log = home / "node.log"
+            with log.open("wb") as out:
+                proc = subprocess.Popen([*trainer["command"], *(trainer.get("args") or [])], env=env, cwd=home,
+                                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            job.nodes.append(Node(pod, index, proc, log, _now()))
+
+    def _controller(self) -> None:
+        while not self._stopping.wait(0.2):
+            with self.lock:
+                for job in self.jobs.values():
+                    if job.conditions and job.conditions[-1]["type"] in ("Complete", "Failed"):
+                        continue
+                    for node in job.nodes:
+                        code = node.proc.poll()
+                        if code is not None and node.phase == "Running":
+                            node.phase = "Succeeded" if code == 0 else "Failed"
+                    failed = [n for n in job.nodes if n.phase == "Failed"]
+                    if failed:
+                        self._kill(job)
+                        node = failed[0]
+                        self._end(
+                            job,
+                            "Failed",
+                            "NodeFailed",
+                            f"node {node.index} exited with code {node.proc.returncode}",
+                        )
+                    elif job.nodes and all(n.phase == "Succeeded" for n in job.nodes):
+                        self._end(job, "Complete", "JobSetCompleted", "all nodes completed")
+                    elif job.deadline and time.monotonic() > job.deadline:
+                        self._kill(job)
+                        self._end(job, "Failed", "DeadlineExceeded", "activeDeadlineSeconds exceeded")
+
+    @staticmethod
+    def _end(job: Job, kind: str, reason: str, message: str) -> None:
+        job.conditions.append({"type": kind, "status": "True", "reason": reason, "message": message,
+                               "lastTransitionTime": _now()})  # fmt: skip
+
+    @staticmethod
+    def _kill(job: Job) -> None:
+        for node in job.nodes:
+            if node.proc.poll() is None:
+                os.killpg(node.proc.pid, signal.SIGKILL)
+                node.proc.wait()
+                node.phase = "Failed"
+
+    # ---- the API
+
+    def _create(self, namespace: str, body: dict) -> tuple[int, dict]:
+        trainjob = trainer_models.TrainerV1alpha1TrainJob.from_dict(body)  # rejects a malformed TrainJob
+        if trainjob.kind != "TrainJob" or trainjob.api_version != "trainer.kubeflow.org/v1alpha1":
+            return 400, _status(400, "BadRequest", f"not a TrainJob: {trainjob.api_version} {trainjob.kind}")
+        name = trainjob.metadata.name
+        if trainjob.metadata.namespace not in (None, namespace):
+            return 400, _status(400, "BadRequest", "the namespace of the body does not match the request")
+        if trainjob.spec.runtime_ref.name not in RUNTIMES:
+            return 422, _status(422, "Invalid", f"no ClusterTrainingRuntime {trainjob.spec.runtime_ref.name}")
+        with self.lock:
+            if (namespace, name) in self.jobs:
+                return 409, _status(
+                    409, "AlreadyExists", f'trainjobs.trainer.kubeflow.org "{name}" already exists'
+                )
+            stored = json.loads(json.dumps(body))
+            stored["metadata"].update(namespace=namespace, uid=str(uuid.uuid4()), creationTimestamp=_now())
+            job = Job(stored)
+            deadline = stored["spec"].get("activeDeadlineSeconds")
+            job.deadline = time.monotonic() + deadline if deadline else None
+            self.jobs[(namespace, name)] = job
+            self.created.append(stored)
+            self._start_nodes(namespace, name, job)
+            return 201, self._object(job)
+
+    @staticmethod
+    def _object(job: Job) -> dict:
+        return {**job.body, "status": {"conditions": list(job.conditions)}}
+
+    def _pods(self, namespace: str, selector: str) -> dict:
+        wanted = dict(term.split("=", 1) for term in selector.split(",") if term)
+        items = []
+        with self.lock:
+            for (ns, name), job in self.jobs.items():
+                for node in job.nodes:
+                    labels = {"jobset.sigs.k8s.io/jobset-name": name, "jobset.sigs.k8s.io/replicatedjob-name": "node",
+                              "batch.kubernetes.io/job-completion-index": str(node.index)}  # fmt: skip
+                    if ns == namespace and all(labels.get(k) == v for k, v in wanted.items()):
+                        items.append({
+                            "metadata": {"name": node.pod, "namespace": ns, "labels": labels,
+                                         "creationTimestamp": node.created},
+                            "spec": {"containers": [{"name": "node", "image": job.body["spec"]["trainer"].get("image")}]},
+                            "status": {"phase": node.phase},
+                        })  # fmt: skip
+        return {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items}
+
+    def _node(self, namespace: str, pod: str) -> Node | None:
+        with self.lock:
+            for (ns, _), job in self.jobs.items():
+                for node in job.nodes:
+                    if ns == namespace and node.pod == pod:
+                        return node
+        return None
+
+    def _handler(self):
+        standin = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _reply(self, code: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _route(self, method: str) -> None:
+                url = urlsplit(self.path)
+                standin.requests.append((method, url.path))
+                standin.authorizations.add(self.headers.get("Authorization", ""))
+                jobs, pods = TRAINJOBS.match(url.path), PODS.match(url.path)
+                if jobs and method == "POST" and not jobs[2]:
+                    body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                    try:
+                        self._reply(*standin._create(jobs[1], body))
+                    except ValueError as e:  # pydantic's ValidationError is a ValueError
+                        self._reply(422, _status(422, "Invalid", str(e).splitlines()[0]))
+                elif jobs and jobs[2] and method in ("GET", "DELETE"):
+                    key = (jobs[1], jobs[2])
+                    with standin.lock:
+                        job = standin.jobs.get(key)
+                        if job is None:
+                            return self._reply(
+                                404, _status(404, "NotFound", f'trainjobs "{jobs[2]}" not found')
+                            )
+                        if method == "DELETE":
+                            standin._kill(job)
+                            del standin.jobs[key]
+                            standin.deleted.append(jobs[2])
+                    self._reply(200, standin._object(job))
+                elif pods and method == "GET" and not pods[2]:
+                    selector = parse_qs(url.query).get("labelSelector", [""])[0]
+                    if any(op in selector for op in ("!=", " in ", "notin", "(")):
+                        return self._reply(
+                            400, _status(400, "BadRequest", "the stand-in knows only k=v selectors")
+                        )
+                    self._reply(200, standin._pods(pods[1], selector))
+                elif pods and method == "GET" and pods[2]:
+                    node = standin._node(pods[1], pods[2])
+                    if node is None:
+                        return self._reply(404, _status(404, "NotFound", f'pods "{pods[2]}" not found'))
+                    self._stream_log(node, parse_qs(url.query).get("follow", ["false"])[0] in GO_TRUE)
+                else:
+                    standin.unhandled.append((method, url.path))
+                    self._reply(404, _status(404, "NotFound", "the stand-in does not serve this"))
+
+            def _stream_log(self, node: Node, follow: bool) -> None:
+                # HTTP/1.0 without a length: the body ends when the connection closes, as a followed log does.
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.end_headers()
+                with node.log.open("rb") as f:
+                    while True:
+                        chunk = f.read(65536)
+                        if chunk:
+                            self.wfile.write(chunk)
+                            self.wfile.flush()
+                        elif not follow or node.proc.poll() is not None:
+                            rest = f.read()
+                            if not rest:
+                                break
+                            self.wfile.write(rest)
+                        else:
+                            time.sleep(0.2)
+
+            def do_GET(self) -> None:
+                self._route("GET")
+
+            def do_POST(self) -> None:
+                self._route("POST")
+
+            def do_DELETE(self) -> None:
+                self._route("DELETE")
+
+        return Handler
