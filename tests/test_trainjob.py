@@ -84,8 +84,8 @@ def test_a_two_node_stage_renders_as_a_trainjob_field_by_field():
     (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
     pod = node["template"]["spec"]["template"]
     assert node["name"] == "node" and pod["metadata"] == {
-        "labels": {"dynamicrubric.io/s3-client": "true"},  # admitted to the store (networkpolicies.yaml)
-        "annotations": {"sidecar.istio.io/inject": "false"},
+        # admitted to the store (networkpolicies.yaml); no Istio sidecar between the nodes' rendezvous
+        "labels": {"dynamicrubric.io/s3-client": "true", "sidecar.istio.io/inject": "false"},
     }
     assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert pod["spec"]["tolerations"] == [

@@ -161,7 +161,8 @@ def node_pod_patch(cfg: Config) -> k8s.TrainerV1alpha1RuntimePatch:
             )
         ],
     )
-    metadata = {"labels": {S3_CLIENT_LABEL: "true"}, "annotations": {"sidecar.istio.io/inject": "false"}}
+    # Istio's label (its annotation of the same name is the older form) rather than the namespace's default
+    metadata = {"labels": {S3_CLIENT_LABEL: "true", "sidecar.istio.io/inject": "false"}}
     template = k8s.TrainerV1alpha1PodTemplatePatch(metadata=metadata, spec=pod)
     node = k8s.TrainerV1alpha1ReplicatedJobPatch(
         name=NODE,
