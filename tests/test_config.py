@@ -193,13 +193,18 @@ def test_a_served_model_without_room_for_its_kv_cache_is_refused():
 
 def test_training_gpus_must_be_world_size_plus_reward_gpus():
     with pytest.raises(
-        ConfigError, match=r"train_evaluator.gpus is 8 but \(train_evaluator.world_size 6 \+ reward_gpus 1\) = 7"
+        ConfigError,
+        match=r"train_evaluator.gpus is 8 but \(train_evaluator.world_size 6 \+ reward_gpus 1\) = 7",
     ):
         load_config(preset="paper", overrides={"train_evaluator": {"reward_gpus": 1}})
     # the policy's reward serves G and V: two reward GPUs at least, unless one has a URL
     two = {"train_policy": {"world_size": 7, "reward_gpus": 1}}
     with pytest.raises(ConfigError, match=r"train_policy.reward_gpus is 1 but the task serves 2 model\(s\)"):
         load_config(preset="paper", overrides=two)
+    # on 2 nodes of 8: each node serves its own G and V, so reward_gpus 2 is one a node
+    nodes = {"train_policy": {"world_size": 14, "reward_gpus": 2, "num_nodes": 2, "prompts_per_step": 35}}
+    with pytest.raises(ConfigError, match=r"reward_gpus is 2 but each of its 2 nodes serves 2 model\(s\)"):
+        load_config(preset="paper", overrides=nodes)
     served_elsewhere = {**two, "models": {"generator_url": "http://g.team:8000/v1"}}
     assert load_config(preset="paper", overrides=served_elsewhere).train_policy.world_size == 7
     # no served role at all: every reward GPU can train

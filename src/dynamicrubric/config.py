@@ -359,11 +359,11 @@ def check_gpu_memory_plan(cfg: Config) -> None:
         if mismatch:
             problems.append(mismatch)
             continue
+        who = f"each of its {tcfg.num_nodes} nodes" if tcfg.num_nodes > 1 else "the task"
         if reward // tcfg.num_nodes < len(served):
             problems.append(
-                f"{stage}.reward_gpus is {reward} but each of the {tcfg.num_nodes} node(s) serves {len(served)} "
-                f"model(s) ({', '.join(served)}), one GPU each at least; give a role served elsewhere its "
-                "models.<role>_url"
+                f"{stage}.reward_gpus is {reward} but {who} serves {len(served)} model(s) ({', '.join(served)}), "
+                "one GPU each at least; give a role served elsewhere its models.<role>_url"
             )
             continue
         trained = "policy" if stage == "train_policy" else "generator"
