@@ -15,15 +15,18 @@ from types import SimpleNamespace
 from typing import Dict  # KFP parses typing.Dict, not dict[...]
 
 from kfp import dsl
+from kfp.dsl import Artifact, Output
 
 from dynamicrubric.config import STAGE_FACTS
 from dynamicrubric.stages.kfp_source import component_functions
 
 
-def start_tracking(config_yaml: str, run_name: str):
+def start_tracking(config_yaml: str, run_name: str, config: Output[Artifact]):
+    """Open the MLflow parent run, and write the config as the artifact every other task reads: the
+    YAML travels inline to this task only."""
     from dynamicrubric.stages.runner import start_tracking as run
 
-    run(config_yaml, run_name)
+    run(config_yaml, run_name, config.path)
 
 
 def stage_models(plan: Dict[str, str]) -> Dict[str, str]:

@@ -23,6 +23,11 @@ Before the rounds, `stage-models` puts each distinct base model into the object 
 (models.staging_plan): every task then reads the staged copy rather than the hub. It runs before
 `prepare-data`, which every model task depends on.
 
+The config travels by reference: only start-tracking takes the YAML (a pipeline parameter) and
+writes it as its `config` artifact, which every other task reads. On a cluster each task's driver
+pod and node status carry its executor input, so ~3.5 KB of inline YAML per task would make the Argo
+Workflow object several times the package's size.
+
 Keep a run under about 150 tasks, the size a cluster's Argo workflow object allows (etcd's 1.5 MiB
 cap); `task_count` says how many a config compiles to.
 """
@@ -203,10 +208,14 @@ def build_pipeline(cfg: Config):
     # The default is one-line flow YAML: KFP copies string defaults verbatim into the package's `#` header,
     # and a multi-line default leaves uncommented lines there that make the package unparseable YAML.
     def co_evolution(config_yaml: str = one_line_yaml(cfg), run_name: str = default_run_name(cfg)):
-        # Tasks find the MLflow parent run by `run_name`, a pipeline parameter: kfp.local 2.17 hands the
-        # loop item instead of an upstream task's parameter output to tasks inside a ParallelFor.
-        common = {"config_yaml": config_yaml, "run_name": run_name}
-        tracking = _configure(cfg, "start_tracking")(c.start_tracking(**common), "start-tracking")
+        tracking = _configure(cfg, "start_tracking")(
+            c.start_tracking(config_yaml=config_yaml, run_name=run_name), "start-tracking"
+        )
+        # Tasks read the config from start-tracking's artifact (an upstream artifact reaches tasks inside
+        # a ParallelFor under kfp.local too) and find the MLflow parent run by `run_name`, a pipeline
+        # parameter: kfp.local 2.17 hands the loop item instead of an upstream task's parameter output
+        # to tasks inside a ParallelFor.
+        common = {"config": tracking.outputs["config"], "run_name": run_name}
         staging = _configure(cfg, "stage_models")(c.stage_models(plan=model_plan(cfg)), "stage-models")
         # Every model task depends on prepare-data, so none starts before the weights are staged.
         data = _configure(cfg, "prepare_data")(c.prepare_data(**common, round_idx=0), "prepare-data").after(

@@ -34,13 +34,13 @@ def test_a_component_is_its_declaration_written_out():
     )
     spec = component.component_spec
     assert set(spec.inputs) == {
-        "config_yaml", "run_name", "round_idx", "label", "shard", "num_shards", "seed",
+        "config", "run_name", "round_idx", "label", "shard", "num_shards", "seed",
         "policy_ref", "policy_ckpt", "prompts",
     }  # fmt: skip
     assert spec.inputs["policy_ckpt"].optional and not spec.inputs["prompts"].optional
     assert set(spec.outputs) == {"rollouts"}
     command = "".join(spec.implementation.container.command)
-    assert "run_stage(" in command and "out_rollouts=rollouts.path" in command
+    assert "run_task(" in command and "out_rollouts=rollouts.path" in command
     assert inspect.getsource(components.component_functions()["rollout"]) == kfp_source.component_source(
         ROLLOUT
     )

@@ -6,7 +6,10 @@ the declaration and `component_functions` defines them all, registering the text
 under COMPONENTS_FILE so that inspect.getsource (and a traceback) finds it, as for any module.
 `python -m dynamicrubric.stages.kfp_source [STAGE]` prints the source.
 
-The signature rules: every component takes `config_yaml`, `run_name` and `round_idx`; a param is
+The signature rules: every component takes `config` (the run's config, an artifact that the
+start-tracking task writes: by reference, so that each task's executor input carries its URI and not
+the 3-4 KB of YAML, which on a cluster every driver pod and node status would repeat), `run_name` and
+`round_idx`; a param is
 `name: int|str`; a model is `<name>_ref: str` (the reference) plus `<name>_ckpt: Input[Model] = None`
 (an earlier round's checkpoint, which wins); an input is `Input[Dataset]` (`Input[List[Dataset]]`
 for shards, `= None` when optional); an output is `Output[<kfp_type>]` under its own name.
@@ -26,7 +29,7 @@ COMPONENTS_FILE = "<dynamicrubric stage components>"
 
 def component_source(stage: Stage) -> str:
     """The KFP component function of one declared stage."""
-    required = ["config_yaml: str", "run_name: str", "round_idx: int"]
+    required = ["config: Input[Artifact]", "run_name: str", "round_idx: int"]
     optional: list[str] = []
     values: list[str] = []
     for p in stage.params:
@@ -57,12 +60,12 @@ def component_source(stage: Stage) -> str:
     returns = " -> float" if stage.kfp_returns else ""
     lines = [f"def {stage.name}(", *(f"    {a}," for a in required + optional), f"){returns}:"]
     lines.append(f'    """{stage.help[0].upper()}{stage.help[1:]}."""')
-    lines.append("    from dynamicrubric.stages.runner import run_stage")
+    lines.append("    from dynamicrubric.stages.runner import run_task")
     if stage.kfp_summary:
         lines[-1] += ", write_kfp_metrics"
     lines.append("")
     call = (
-        f'run_stage(\n        "{stage.name}",\n        config_yaml,\n        run_name,\n        round_idx,\n'
+        f'run_task(\n        "{stage.name}",\n        config.path,\n        run_name,\n        round_idx,\n'
     )
     call += "".join(f"        {v},\n" for v in values) + "    )"
     lines.append(f"    result = {call}" if stage.kfp_summary or stage.kfp_returns else f"    {call}")

@@ -25,6 +25,14 @@ def run_stage(name: str, config_yaml: str, run_name: str, round_idx: int, **valu
     return execute(STAGES[name], task_config(config_yaml), run_name, round_idx, values, started=started)
 
 
+def run_task(name: str, config_path: str, run_name: str, round_idx: int, **values: Any) -> dict:
+    """A KFP task's entry point: the config is the start-tracking task's `config` artifact, read from
+    the path the launcher put it at (see `start_tracking`)."""
+    started = time.perf_counter()
+    cfg = task_config(Path(config_path).read_text())
+    return execute(STAGES[name], cfg, run_name, round_idx, values, started=started)
+
+
 def task_config(config_yaml: str) -> Config:
     """A task process's set-up (its log format, no last garbage collection at exit) and its config."""
     logs.setup()
@@ -155,7 +163,12 @@ def write_kfp_metrics(summary: Any, values: dict) -> None:
     Path(summary.path).write_text(json.dumps(finite, sort_keys=True))
 
 
-def start_tracking(config_yaml: str, run_name: str) -> str:
-    """Create the MLflow parent run; later tasks find it by `run_name` (see tracking.py)."""
+def start_tracking(config_yaml: str, run_name: str, config_path: str = "") -> str:
+    """Create the MLflow parent run; later tasks find it by `run_name` (see tracking.py). With
+    `config_path`, write the checked config there: the pipeline's tasks read it from that artifact
+    rather than each taking the YAML inline."""
     cfg = task_config(config_yaml)
+    if config_path:
+        Path(config_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(config_path).write_text(cfg.to_yaml())
     return tracking.start_pipeline_run(cfg, run_name, cfg.pipeline.rounds)

@@ -85,7 +85,7 @@ class Stage:
         # They share one namespace: the KFP component's arguments (a model is `<name>_ref`, `<name>_ckpt`).
         names = [p.name for p in self.params] + [d.name for d in (*self.inputs, *self.outputs)]
         names += [f"{m.name}_{end}" for m in self.models for end in ("ref", "ckpt")]
-        reserved = {"config_yaml", "run_name", "round_idx", "summary"}
+        reserved = {"config", "run_name", "round_idx", "summary"}
         clash = sorted({n for n in names if names.count(n) > 1} | (set(names) & reserved))
         if clash:
             raise ValueError(f"stage {self.name}: {clash[0]!r} names two things (or a reserved argument)")
