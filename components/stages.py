@@ -21,12 +21,12 @@ from dynamicrubric.config import STAGE_FACTS
 from dynamicrubric.stages.kfp_source import component_functions
 
 
-def start_tracking(config_yaml: str, run_name: str, config: Output[Artifact]):
-    """Open the MLflow parent run, and write the config as the artifact every other task reads: the
-    YAML travels inline to this task only."""
+def start_tracking(config_yaml: str, run_name: str, first_round: int, config: Output[Artifact]):
+    """Open (or, after the first segment of a chained run, join) the MLflow parent run, and write the
+    config as the artifact every other task reads: the YAML travels inline to this task only."""
     from dynamicrubric.stages.runner import start_tracking as run
 
-    run(config_yaml, run_name, config.path)
+    run(config_yaml, run_name, first_round, config.path)
 
 
 def stage_models(plan: Dict[str, str]) -> Dict[str, str]:

@@ -28,8 +28,14 @@ writes it as its `config` artifact, which every other task reads. On a cluster e
 pod and node status carry its executor input, so ~3.5 KB of inline YAML per task would make the Argo
 Workflow object several times the package's size.
 
-Keep a run under about 150 tasks, the size a cluster's Argo workflow object allows (etcd's 1.5 MiB
-cap); `task_count` says how many a config compiles to.
+A package is kept under MAX_PACKAGE_BYTES (300 KiB): with KFP's driver pods and per-node status a
+run's Workflow object is several times its package, and Argo refuses one over 1 MiB (its
+maxWorkflowSize; etcd's 1.5 MiB cap comes later). A longer schedule is compiled as segments
+(`pipeline.rounds_per_run`, `segments`): `build_pipeline(cfg, first, last)` builds rounds
+first..last (absolute round numbers, so seeds and task names are those of one long run); a segment
+after the first starts from the previous one's final policy and generator, given as the pipeline
+parameters `start_policy` and `start_generator` (checkpoint paths or URIs). launch.py runs the
+segments one after another.
 """
 
 import contextlib
@@ -57,6 +63,10 @@ from dynamicrubric.config import (
 from dynamicrubric.models import staging_plan
 
 CACHE_MOUNT = "/model-cache"
+# The largest package `dynrubric compile` writes (bytes of YAML): a run's Argo Workflow object is
+# several times its package once KFP's drivers and node status are in it, and Argo refuses one over
+# 1 MiB.
+MAX_PACKAGE_BYTES = 300 * 1024
 RETRY_BACKOFF = {"backoff_duration": "60s", "backoff_factor": 2.0, "backoff_max_duration": "1800s"}
 # The pod label of tasks that run policy-generated code (config.STAGE_FACTS runs_code), which the
 # cluster's policies in manifests/cluster/gvisor use to run them under gVisor. A GPU task is never
@@ -97,12 +107,29 @@ def one_line_yaml(cfg: Config) -> str:
     ).strip()
 
 
-def task_count(cfg: Config) -> int:
+def task_count(cfg: Config, rounds: int | None = None) -> int:
+    """Tasks of a run of `rounds` rounds (default: all of the config's, in one run)."""
     shards, variant = cfg.pipeline.shards, pipeline_variant(cfg)
     audit = {"dynamic": 5 * shards + 2, "static": 3 * shards + 1, "pointwise": 2 * shards + 1}.get(variant, 0)
     generator = 2 * shards + 1 if variant == "dynamic" else 0
     evaluate = 3 if split_evaluate(cfg) else 1
-    return 3 + cfg.pipeline.rounds * (generator + audit + 1 + evaluate)
+    rounds = cfg.pipeline.rounds if rounds is None else rounds
+    return 3 + rounds * (generator + audit + 1 + evaluate)
+
+
+def segments(cfg: Config) -> list[tuple[int, int]]:
+    """The (first, last) rounds of each run of a chained schedule (`pipeline.rounds_per_run`); one
+    segment of all rounds when it is not set."""
+    rounds, per_run = cfg.pipeline.rounds, cfg.pipeline.rounds_per_run or cfg.pipeline.rounds
+    return [(first, min(first + per_run - 1, rounds)) for first in range(1, rounds + 1, per_run)]
+
+
+def start_parameters(cfg: Config) -> tuple[str, ...]:
+    """The pipeline parameters of a segment after the first: where P_{first-1} and (for the dynamic
+    variant, the one that trains a generator) G_{first-1} are, as paths or URIs of the previous
+    segment's final checkpoints (what the training stages' MLflow LoggedModels record). Parameters
+    rather than constants, so that a segment's package is compiled before its start exists."""
+    return ("start_policy", "start_generator") if pipeline_variant(cfg) == "dynamic" else ("start_policy",)
 
 
 def for_cluster(cfg: Config) -> bool:
@@ -185,8 +212,14 @@ def _configure(cfg: Config, stage: str) -> Callable[[dsl.PipelineTask, str], dsl
     return apply
 
 
-def build_pipeline(cfg: Config):
-    """The pipeline function for `cfg` (its rounds, shards, variant and image are fixed here)."""
+def build_pipeline(cfg: Config, first: int = 1, last: int | None = None):
+    """The pipeline function for rounds `first`..`last` of `cfg` (default: all of them; its shards,
+    variant and image are fixed here). A segment that starts after round 1 takes the previous
+    segment's final checkpoints, P_{first-1} and G_{first-1}, as the parameters `start_parameters`
+    names."""
+    last = cfg.pipeline.rounds if last is None else last
+    if not 1 <= first <= last <= cfg.pipeline.rounds:
+        raise ConfigError(f"rounds {first}..{last}: not a range of pipeline.rounds 1..{cfg.pipeline.rounds}")
     for stage, tcfg in (("train_policy", cfg.train_policy), ("train_evaluator", cfg.train_evaluator)):
         gpus = cfg.pipeline.resources[stage].gpus if stage in cfg.pipeline.resources else 0
         # Config checks this too where engine is vllm (config.check_gpu_memory_plan); here for any engine.
@@ -201,15 +234,11 @@ def build_pipeline(cfg: Config):
     variant = pipeline_variant(cfg)
     m = staged_models(cfg)  # what tasks load: the staged copies on a cluster
 
-    @dsl.pipeline(
-        name=f"dynamicrubric-{variant}",
-        description=f"DynamicRubric evaluator-policy co-evolution ({variant} evaluator, {rounds} rounds)",
-    )
-    # The default is one-line flow YAML: KFP copies string defaults verbatim into the package's `#` header,
-    # and a multi-line default leaves uncommented lines there that make the package unparseable YAML.
-    def co_evolution(config_yaml: str = one_line_yaml(cfg), run_name: str = default_run_name(cfg)):
+    span = f"{rounds} rounds" if (first, last) == (1, rounds) else f"rounds {first}-{last} of {rounds}"
+
+    def co_evolution(config_yaml, run_name, start_policy: str = "", start_generator: str = ""):
         tracking = _configure(cfg, "start_tracking")(
-            c.start_tracking(config_yaml=config_yaml, run_name=run_name), "start-tracking"
+            c.start_tracking(config_yaml=config_yaml, run_name=run_name, first_round=first), "start-tracking"
         )
         # Tasks read the config from start-tracking's artifact (an upstream artifact reaches tasks inside
         # a ParallelFor under kfp.local too) and find the MLflow parent run by `run_name`, a pipeline
@@ -226,14 +255,19 @@ def build_pipeline(cfg: Config):
             """One shard of P_{t-1}'s samples: the generator's candidate sets or the signal audit's probe."""
             return _configure(cfg, "rollout")(
                 c.rollout(**common, round_idx=t, label=label, shard=shard, num_shards=shards,
-                          seed=round_seed(cfg, t, purpose), policy_ref=m.policy, prompts=prompts, **ckpt),
+                          seed=round_seed(cfg, t, purpose), prompts=prompts, **ckpt),
                 f"r{t}-{label}-rollout",
             )  # fmt: skip
 
-        policy_ckpt: dict = {}  # {} = the base policy; else {"policy_ckpt": the last round's checkpoint}
-        generator_ckpt: dict = {}
+        # P_{t-1} and G_{t-1} as a model input: the model's reference, plus from round 2 on the last
+        # round's checkpoint artifact (which wins over the reference). A later segment starts from the
+        # previous one's final checkpoints, by reference.
+        policy_ckpt: dict = {"policy_ref": start_policy if first > 1 else m.policy}
+        generator_ckpt: dict = {
+            "generator_ref": start_generator if first > 1 and start_generator else m.generator
+        }
         conditions = contextlib.ExitStack()  # each round after an early-stop check runs inside its dsl.If
-        for t in range(1, rounds + 1):
+        for t in range(first, last + 1):
             previous_generator = dict(generator_ckpt)  # G_{t-1}, for the audit's "before"
             if variant == "dynamic":
                 # ---- generator stage: G_t learns online on P_{t-1}'s candidate sets
@@ -258,7 +292,6 @@ def build_pipeline(cfg: Config):
                     c.train_evaluator(
                         **common,
                         round_idx=t,
-                        generator_ref=m.generator,
                         verifier_ref=m.verifier,
                         candidate_sets=dsl.Collected(cand.outputs["candidate_sets"]),
                         anchors=dsl.Collected(cand.outputs["anchors"]),
@@ -266,7 +299,7 @@ def build_pipeline(cfg: Config):
                     ),
                     f"r{t}-train-evaluator",
                 )
-                generator_ckpt = {"generator_ckpt": te.outputs["generator"]}
+                generator_ckpt = {"generator_ref": m.generator, "generator_ckpt": te.outputs["generator"]}
 
             # ---- signal audit: the round's evaluator (before and after its update) on P_{t-1}'s probe samples
             audit_tie_rate = None
@@ -274,7 +307,7 @@ def build_pipeline(cfg: Config):
                 scorers = (
                     {"before": previous_generator, "after": generator_ckpt}
                     if variant == "dynamic"
-                    else {"": {}}
+                    else {"": {"generator_ref": m.generator}}
                 )
                 judged: dict = {name: ([], []) for name in scorers}
                 with dsl.ParallelFor(items=list(range(shards)), parallelism=shards) as shard:
@@ -293,7 +326,6 @@ def build_pipeline(cfg: Config):
                                     samples=cfg.rubrics.samples,
                                     # the same for both: only the generator differs
                                     seed=round_seed(cfg, t, SeedPurpose.AUDIT_RUBRICS),
-                                    generator_ref=m.generator,
                                     candidate_sets=probe.outputs["rollouts"],
                                     **generator,
                                 ),
@@ -335,8 +367,6 @@ def build_pipeline(cfg: Config):
                 c.train_policy(
                     **common,
                     round_idx=t,
-                    policy_ref=m.policy,
-                    generator_ref=m.generator,
                     verifier_ref=m.verifier,
                     prompts=data.outputs["train_prompts"],
                     **policy_ckpt,
@@ -344,7 +374,8 @@ def build_pipeline(cfg: Config):
                 ),
                 f"r{t}-train-policy",
             )
-            previous = {"previous_policy_ckpt": policy_ckpt["policy_ckpt"]} if policy_ckpt else {}
+            # P_{t-1}, for the win rate: its reference (the base policy, or a segment's start) and checkpoint
+            previous = {f"previous_{k}": v for k, v in policy_ckpt.items()}
             held_out = {"eval_prompts": data.outputs["eval_prompts"]}
             if split_evaluate(cfg):
                 sampled = _configure(cfg, "evaluate_samples")(
@@ -353,7 +384,6 @@ def build_pipeline(cfg: Config):
                         round_idx=t,
                         policy_ref=m.policy,
                         policy_ckpt=tp.outputs["policy"],
-                        previous_policy_ref=m.policy,
                         **held_out,
                         **previous,
                     ),
@@ -364,14 +394,13 @@ def build_pipeline(cfg: Config):
                     f"r{t}-check-samples",
                 )
                 phases = {"samples": sampled.outputs["samples"], "outcomes": checked.outputs["outcomes"]}
+                phases["previous_policy_ref"] = previous["previous_policy_ref"]
             else:
                 phases = {"policy_ckpt": tp.outputs["policy"], **previous}
             _configure(cfg, "evaluate")(
                 c.evaluate(
                     **common,
                     round_idx=t,
-                    previous_policy_ref=m.policy,
-                    generator_ref=m.generator,
                     verifier_ref=m.verifier,
                     **held_out,
                     **generator_ckpt,
@@ -379,8 +408,8 @@ def build_pipeline(cfg: Config):
                 ),
                 f"r{t}-evaluate",
             )
-            policy_ckpt = {"policy_ckpt": tp.outputs["policy"]}
-            if cfg.pipeline.early_stop_tie_rate is not None and t < rounds and audit_tie_rate is not None:
+            policy_ckpt = {"policy_ref": m.policy, "policy_ckpt": tp.outputs["policy"]}
+            if cfg.pipeline.early_stop_tie_rate is not None and t < last and audit_tie_rate is not None:
                 # stop once the round's evaluator ties P_{t-1}'s probe samples this often
                 conditions.enter_context(
                     dsl.If(
@@ -389,11 +418,46 @@ def build_pipeline(cfg: Config):
                 )
         conditions.close()
 
-    return co_evolution
+    # The defaults are one-line flow YAML: KFP copies string defaults verbatim into the package's `#`
+    # header, and a multi-line default leaves uncommented lines there that make the package unparseable.
+    # The run name is the same for every segment of a chain: their tasks share one MLflow parent run.
+    defaults = {"config_yaml": one_line_yaml(cfg), "run_name": default_run_name(cfg)}
+    if first == 1:
+
+        def pipeline_function(
+            config_yaml: str = defaults["config_yaml"], run_name: str = defaults["run_name"]
+        ):
+            co_evolution(config_yaml, run_name)
+
+    elif len(start_parameters(cfg)) == 2:  # required: a segment must not silently start from the base
+
+        def pipeline_function(
+            start_policy: str,
+            start_generator: str,
+            config_yaml: str = defaults["config_yaml"],
+            run_name: str = defaults["run_name"],
+        ):
+            co_evolution(config_yaml, run_name, start_policy, start_generator)
+
+    else:
+
+        def pipeline_function(
+            start_policy: str,
+            config_yaml: str = defaults["config_yaml"],
+            run_name: str = defaults["run_name"],
+        ):
+            co_evolution(config_yaml, run_name, start_policy)
+
+    pipeline_function.__name__ = "co_evolution"
+    return dsl.pipeline(
+        name=f"dynamicrubric-{variant}",
+        description=f"DynamicRubric evaluator-policy co-evolution ({variant} evaluator, {span})",
+    )(pipeline_function)
 
 
-def compile_pipeline(cfg: Config, out: str) -> str:
+def compile_pipeline(cfg: Config, out: str, first: int = 1, last: int | None = None) -> str:
+    """Compile rounds `first`..`last` (default: all) to the package `out`."""
     from kfp import compiler
 
-    compiler.Compiler().compile(build_pipeline(cfg), out)
+    compiler.Compiler().compile(build_pipeline(cfg, first, last), out)
     return out

@@ -8,6 +8,11 @@ and executor references must resolve, and run parameters must be declared pipeli
 request gets HTTP 400 with a message in the grpc-gateway error shape; everything accepted is
 recorded for assertions.
 
+A run is created PENDING and keeps its state unless the test plays the cluster: `advance(run)` is
+called on every GET of a run that has not ended and returns the state to report from then on (the
+state names of the v2beta1 RuntimeState enum: PENDING, RUNNING, SUCCEEDED, FAILED, ...), so a test can
+let a run succeed or fail, and record what its tasks would have recorded, when the client asks.
+
 Routes (all under /apis/v2beta1): GET healthz; GET/POST experiments, GET experiments/{id};
 POST/GET runs, GET runs/{id}; POST pipelines/upload (multipart, field `uploadfile`). Anything else
 is a 404 and is recorded in `unhandled`, so a test notices when the client starts calling more.
@@ -22,6 +27,7 @@ import json
 import re
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -38,6 +44,9 @@ SCHEMA_VERSIONS = ("2.0.0", "2.1.0")
 # The API server's rule for pipeline names (backend/src/apiserver/common: a DNS-1123 label, ≤128 chars).
 PIPELINE_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,126}[a-z0-9])?$")
 MAX_BODY = 16 * 1024 * 1024  # a 150-task spec is well under 1 MiB; refuse anything absurd
+# The v2beta1 RuntimeState values a run can take, and those in which it has ended.
+RUN_STATES = ("PENDING", "RUNNING", "SUCCEEDED", "SKIPPED", "FAILED", "CANCELING", "CANCELED", "PAUSED")
+ENDED = ("SUCCEEDED", "SKIPPED", "FAILED", "CANCELED")
 EQUALS = (1, "EQUALS")  # kfp.Client sends the enum's number; the REST gateway also takes its name
 
 
@@ -162,6 +171,8 @@ class KfpStandIn:
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (path, message)
     requests: list[tuple[str, str]] = field(default_factory=list)  # (method, path) in arrival order
     unhandled: list[tuple[str, str]] = field(default_factory=list)
+    # Plays the cluster: called on each GET of a run that has not ended, returns its state from then on.
+    advance: Callable[[ReceivedRun], str] | None = None
     _server: ThreadingHTTPServer | None = None
     _port: int = 0
     _thread: threading.Thread | None = None
@@ -277,6 +288,13 @@ class KfpStandIn:
     def get_run(self, run_id: str) -> dict:
         for r in self.runs:
             if r.response["run_id"] == run_id:
+                if self.advance is not None and r.response["state"] not in ENDED:
+                    state = self.advance(r)
+                    if state not in RUN_STATES:
+                        raise AssertionError(f"advance returned {state!r}, not a run state {RUN_STATES}")
+                    r.response["state"] = state
+                    if state in ENDED:
+                        r.response["finished_at"] = _now()
                 return r.response
         raise KeyError(run_id)
 

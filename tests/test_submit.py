@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import kfp
@@ -22,10 +23,11 @@ import pytest
 import yaml
 from google.protobuf import json_format
 from kfp_standin import KfpStandIn, ParsedPipeline, parse_package
+from mlflow_server import mlflow_server, postgres  # noqa: F401 - session fixtures
 
-from dynamicrubric import cli
+from dynamicrubric import cli, tracking
 from dynamicrubric.config import STAGE_FACTS, TENSOR_PARALLEL_ENV, config_from_yaml, load_config
-from dynamicrubric.pipelines.co_evolution import CACHE_MOUNT, S3_ENV, task_count
+from dynamicrubric.pipelines.co_evolution import CACHE_MOUNT, MAX_PACKAGE_BYTES, S3_ENV, task_count
 
 REPO = Path(__file__).resolve().parents[1]
 # The committed packages and the command that regenerates each from the repository root.
@@ -473,5 +475,175 @@ def test_compiled_package_loads_and_matches_config(tmp_path):
 
 
 @pytest.mark.parametrize("preset", ["tiny", "local", "paper"])
-def test_presets_fit_a_cluster(preset):
-    assert task_count(load_config(preset=preset)) <= 150
+def test_presets_fit_a_cluster(preset, tmp_path):
+    """Each preset compiles to one package under the limit (compile refuses a larger one)."""
+    out = tmp_path / "p.yaml"
+    assert cli.main(["compile", "--preset", preset, "--out", str(out)]) == 0
+    assert out.stat().st_size <= MAX_PACKAGE_BYTES
+
+
+# ---- long schedules: config by reference, packages under the limit, chained runs
+
+
+def _config_inputs(pipeline: ParsedPipeline) -> dict[str, tuple[set, set]]:
+    """Each executor's component: (its parameter inputs, its artifact inputs)."""
+    spec = pipeline.spec
+    return {
+        c.executor_label: (set(c.input_definitions.parameters), set(c.input_definitions.artifacts))
+        for c in spec.components.values()
+        if c.executor_label
+    }
+
+
+def test_paper_twenty_rounds_compile_to_chained_packages_under_the_limit(tmp_path, capsys):
+    """20 paper rounds in segments of 3: seven packages, each under 300 KiB, each parsing as the server
+    would; every task but start-tracking takes the config as an artifact (a URI in its executor input),
+    never the YAML inline; the segments after the first take the previous one's checkpoints."""
+    argv = ["compile", "--preset", "paper", "--rounds", "20", "--rounds-per-run", "3"]
+    assert cli.main([*argv, "--out", f"{tmp_path}/"]) == 0
+    written = capsys.readouterr().out.split()
+    expected = [f"{a:02d}-{min(a + 2, 20):02d}" for a in range(1, 21, 3)]
+    assert written == [f"{tmp_path}/co_evolution-rounds-{span}.yaml" for span in expected]
+    cfg = load_config(preset="paper", overrides={"pipeline": {"rounds": 20}})
+    for i, path in enumerate(written):
+        text = Path(path).read_text()
+        assert len(text.encode()) < MAX_PACKAGE_BYTES, (path, len(text.encode()))
+        pipeline = parse_package(text)
+        first = 1 + 3 * i
+        roots = set(pipeline.spec.root.input_definitions.parameters)
+        starts = {"start_policy", "start_generator"} if first > 1 else set()
+        assert roots == {"config_yaml", "run_name"} | starts, path
+        for executor, (params, artifacts) in _config_inputs(pipeline).items():
+            if executor.startswith("exec-start-tracking"):
+                assert "config_yaml" in params, executor
+            elif not executor.startswith("exec-stage-models"):
+                assert "config_yaml" not in params and "config" in artifacts, executor
+        # the YAML is passed on by the root DAG to start-tracking only: every other task's `config`
+        # comes from start-tracking's output (directly, or through the loop's DAG inputs)
+        passes_yaml = []
+        for (dag, name), (task, _) in _dag_tasks(pipeline).items():
+            if task.inputs.parameters.get("config_yaml"):
+                passes_yaml.append(name)
+            art = task.inputs.artifacts.get("config")
+            if art is not None and art.HasField("task_output_artifact"):
+                assert art.task_output_artifact.producer_task == "start-tracking", (dag, name)
+        assert passes_yaml == ["start-tracking"], path
+        assert "config_yaml" not in text.split("deploymentSpec:")[1].split("pipelineInfo:")[0].replace(
+            "start_tracking(config_yaml", ""
+        ).replace("config_yaml: str", "").replace("run(config_yaml", ""), path
+        # rounds are numbered as in one long run: this segment's and no other's
+        rounds = {
+            int(m.group(1))
+            for m in re.finditer(
+                r"\br(\d+)-", " ".join(t.task_info.name for t, _ in _dag_tasks(pipeline).values())
+            )
+        }
+        assert rounds == set(range(first, min(first + 2, 20) + 1)), path
+    assert task_count(cfg) > 300  # what one run of 20 rounds would have been
+
+
+def test_compile_refuses_a_package_over_the_limit(tmp_path, capsys):
+    out = tmp_path / "paper.yaml"
+    assert cli.main(["compile", "--preset", "paper", "--rounds", "20", "--out", str(out)]) == 1
+    line = _one_error_line(capsys.readouterr().err)
+    assert re.fullmatch(
+        r"error: the package of rounds 1-20 would be \d+ KiB, over the 300 KiB limit \(its Argo Workflow, "
+        r"several times larger, must stay under Argo's 1 MiB\): split it with pipeline.rounds_per_run: 3 "
+        r"\(or --rounds-per-run 3\)",
+        line,
+    ), line
+    assert not out.exists()
+
+
+@pytest.fixture
+def mlflow_uri(mlflow_server, monkeypatch) -> str:  # noqa: F811 - the imported session fixture
+    """A real MLflow server (PostgreSQL store), as a cluster's pods and `submit` reach it."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.url)
+    return mlflow_server.url
+
+
+class ClusterStandIn:
+    """Plays the KFP cluster that would run each segment's run: a run is RUNNING when first asked
+    about, then ends. The training stages cannot run here, so where the run succeeds this records,
+    in the real MLflow store and with the project's own tracking functions, what its tasks would
+    have: start-tracking's parent run (joined by a later segment), and each round's train-evaluator
+    and train-policy runs with their checkpoints as LoggedModels at URIs under the run's root."""
+
+    def __init__(self, cfg, fail: set[str] = frozenset()):
+        self.cfg = cfg
+        self.fail = set(fail)  # display names of runs that fail (once)
+        self.recorded: dict[str, str] = {}  # model name -> URI
+
+    def __call__(self, run) -> str:
+        if run.response["state"] == "PENDING":
+            return "RUNNING"
+        name = run.body["display_name"]
+        if name in self.fail:
+            self.fail.discard(name)
+            return "FAILED"
+        params = run.body["runtime_config"]["parameters"]
+        first, last = map(int, re.fullmatch(r".*-rounds-(\d+)-(\d+)", name).groups())
+        run_name = params["run_name"]
+        tracking.start_pipeline_run(self.cfg, run_name, self.cfg.pipeline.rounds, join=first > 1)
+        root = f"{run.body['runtime_config']['pipeline_root']}/{run.response['run_id']}"
+        for t in range(first, last + 1):
+            for stage, role in (("train-evaluator", "generator"), ("train-policy", "policy")):
+                with tracking.stage_run(self.cfg, run_name, t, stage) as stage_run:
+                    uri = f"{root}/r{t}-{stage}/{role}"
+                    stage_run.log_model(run_name, f"{role}-round-{t}", uri)
+                    self.recorded[f"{role}-round-{t}"] = uri
+        return "SUCCEEDED"
+
+
+def test_submit_chains_segments_through_mlflow(standin, tmp_path, capsys, mlflow_uri):
+    """`submit` of 3 rounds, 1 per run: round 1's run succeeds, round 2's fails (one line, exit 1);
+    the same command again skips round 1 (MLflow has its checkpoints), resubmits round 2 from round
+    1's checkpoints and then round 3 from round 2's; all under one MLflow parent run."""
+    import mlflow
+
+    experiment = f"chain-{uuid.uuid4().hex[:8]}"
+    data = {"pipeline": {**CLUSTER["pipeline"], "mlflow_tracking_uri": mlflow_uri, "experiment": experiment}}
+    config = _config_file(tmp_path, data)
+    argv = ["submit", "--host", standin.host, "--preset", "tiny", "--config", config, "--run-name", "chain"]
+    argv += ["--rounds", "3", "--rounds-per-run", "1", "--poll-seconds", "0.05"]
+    cfg = load_config(config, preset="tiny", overrides={"pipeline": {"rounds": 3, "rounds_per_run": 1}})
+    cluster = ClusterStandIn(cfg, fail={"chain-rounds-2-2"})
+    standin.advance = cluster
+
+    assert cli.main(argv) == 1
+    out, err = capsys.readouterr()
+    assert "run " in _one_error_line(err) and "(rounds 2-2) ended FAILED" in err
+    assert [r.body["display_name"] for r in standin.runs] == ["chain-rounds-1-1", "chain-rounds-2-2"]
+    assert "rounds 1-1: run" in out and "SUCCEEDED" in out  # the progress lines
+
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "rounds 1-1: done already (MLflow has policy-round-1 of chain); skipped" in out
+    names = [r.body["display_name"] for r in standin.runs]
+    assert names == ["chain-rounds-1-1", "chain-rounds-2-2", "chain-rounds-2-2", "chain-rounds-3-3"]
+    params = [r.body["runtime_config"]["parameters"] for r in standin.runs]
+    assert {p["run_name"] for p in params} == {"chain"}  # one MLflow parent run name for every segment
+    assert "start_policy" not in params[0]
+    for segment, previous in ((params[1], 1), (params[2], 1), (params[3], 2)):
+        assert segment["start_policy"] == cluster.recorded[f"policy-round-{previous}"]
+        assert segment["start_generator"] == cluster.recorded[f"generator-round-{previous}"]
+    # each package holds its own rounds and declares the start parameters it is given
+    for run, (first, last) in zip(standin.runs, [(1, 1), (2, 2), (2, 2), (3, 3)], strict=True):
+        assert run.pipeline.spec.pipeline_info.description.endswith(
+            "3 rounds)" if (first, last) == (1, 3) else f"rounds {first}-{last} of 3)"
+        )
+        declared = set(run.pipeline.spec.root.input_definitions.parameters)
+        assert declared == {"config_yaml", "run_name"} | (
+            {"start_policy", "start_generator"} if first > 1 else set()
+        )
+    assert standin.unhandled == [] and standin.rejected == []
+
+    client = mlflow.MlflowClient(tracking_uri=mlflow_uri)
+    exp = client.get_experiment_by_name(experiment)
+    parents = client.search_runs(
+        [exp.experiment_id],
+        f"tags.`{tracking.PIPELINE_TAG}` = 'chain' and tags.`{tracking.STAGE_TAG}` = 'pipeline'",
+    )
+    assert len(parents) == 1
+    rounds = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")
+    assert sorted(r.data.tags[tracking.ROUND_TAG] for r in rounds) == ["1", "2", "3"]

@@ -168,12 +168,15 @@ def _tracking_uri(args: argparse.Namespace) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from dynamicrubric.launch import run_local
-    from dynamicrubric.pipelines.co_evolution import task_count
+    from dynamicrubric.pipelines.co_evolution import segments, task_count
     from dynamicrubric.round_table import report
 
     cfg = _config_with_rounds(args)
+    chain = segments(cfg)
+    runs = f" in {len(chain)} chained runs" if len(chain) > 1 else ""
+    tasks = sum(task_count(cfg, last - first + 1) for first, last in chain)
     print(
-        f"dynrubric run: preset {cfg.preset}, {cfg.pipeline.rounds} round(s), {task_count(cfg)} tasks, "
+        f"dynrubric run: preset {cfg.preset}, {cfg.pipeline.rounds} round(s){runs}, {tasks} tasks, "
         f"pipeline root {cfg.pipeline.pipeline_root}; a line per task as it ends "
         f"(its full output: task.log in its folder{'' if args.verbose else ', or --verbose'})",
         flush=True,
@@ -186,19 +189,29 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     from dynamicrubric.launch import compile_to
 
-    print(compile_to(_config_with_rounds(args), args.out))
+    for path in compile_to(_config_with_rounds(args), args.out):
+        print(path)
     return 0
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    import functools
     import tempfile
 
     from dynamicrubric.launch import submit
 
     cfg = _config_with_rounds(args)
     with tempfile.TemporaryDirectory() as tmp:
-        run_id = submit(cfg, args.host, args.experiment, args.run_name, f"{tmp}/pipeline.yaml")
-    print(f"submitted run {run_id} to {args.host}")
+        say = functools.partial(print, flush=True)  # a chain's progress shows as it happens
+        submit(
+            cfg,
+            args.host,
+            args.experiment,
+            args.run_name,
+            f"{tmp}/pipeline.yaml",
+            poll_s=args.poll_seconds,
+            say=say,
+        )
     return 0
 
 
@@ -208,7 +221,11 @@ def _config_with_rounds(args: argparse.Namespace):
     rounds = getattr(args, "rounds", None)
     if rounds is not None and rounds < 1:  # checked by value: 0 is falsy and meant the config's rounds
         raise ConfigError(f"--rounds: expected at least 1 round, got {rounds}")
-    overrides = {"pipeline": {"rounds": rounds}} if rounds is not None else None
+    per_run = getattr(args, "rounds_per_run", None)
+    if per_run is not None and per_run < 1:
+        raise ConfigError(f"--rounds-per-run: expected at least 1 round, got {per_run}")
+    pipeline = {k: v for k, v in (("rounds", rounds), ("rounds_per_run", per_run)) if v is not None}
+    overrides = {"pipeline": pipeline} if pipeline else None
     return load_config(args.config, preset=args.preset, overrides=overrides)
 
 
@@ -257,14 +274,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--rounds", type=int, help="override pipeline.rounds")
     p.add_argument(
+        "--rounds-per-run",
+        type=int,
+        help="override pipeline.rounds_per_run (a chain of runs of this many rounds)",
+    )
+    p.add_argument(
         "--fresh",
         action="store_true",
         help="run every task again under a new run name (by default a rerun of the same config is "
         "taken from the cache)",
     )
     p = _stage_parser(sub, "compile", "compile the pipeline to a KFP YAML package", cmd_compile)
-    p.add_argument("--out", required=True, metavar="FILE")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="FILE",
+        help="the package; with rounds_per_run one per segment beside it (FILE-rounds-01-03.yaml, ...) "
+        "or, for a folder, in it",
+    )
     p.add_argument("--rounds", type=int, help="override pipeline.rounds")
+    p.add_argument(
+        "--rounds-per-run",
+        type=int,
+        help="override pipeline.rounds_per_run (a chain of runs of this many rounds)",
+    )
     p = _stage_parser(
         sub, "submit", "compile and submit the pipeline to a Kubeflow Pipelines host", cmd_submit
     )
@@ -272,6 +305,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experiment", help="KFP experiment (default: pipeline.experiment)")
     p.add_argument("--run-name", help="KFP run name (default: derived from the config)")
     p.add_argument("--rounds", type=int, help="override pipeline.rounds")
+    p.add_argument(
+        "--rounds-per-run",
+        type=int,
+        help="override pipeline.rounds_per_run (a chain of runs of this many rounds)",
+    )
+    p.add_argument(
+        "--poll-seconds",
+        type=float,
+        default=30.0,
+        help="a chained run: how often to ask whether a segment's run has ended (default: 30)",
+    )
 
     stage = sub.add_parser("stage", help="run one pipeline stage on artifact URIs (local paths or s3://)")
     _add_stage_parsers(stage.add_subparsers(dest="stage", required=True, metavar="NAME"))

@@ -319,6 +319,10 @@ STAGE_FACTS: dict[str, StageFacts] = {
 
 class PipelineConfig(Section):
     rounds: int = Field(2, ge=1, le=20)
+    # Rounds per KFP run: a longer schedule runs as a chain of runs, each starting from the previous
+    # one's final checkpoints, so that no run's Argo Workflow object nears Argo's 1 MiB limit (see
+    # docs/deploy.md). None: all rounds in one run.
+    rounds_per_run: int | None = Field(None, ge=1)
     shards: int = Field(2, ge=1)  # rollout/rubrics/judge fan out over prompt shards
     image: str = "ghcr.io/dynamicrubric/dynamicrubric-gpu:0.1.0"
     cpu_image: str = "ghcr.io/dynamicrubric/dynamicrubric-cpu:0.1.0"  # stages that load no model

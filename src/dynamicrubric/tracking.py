@@ -99,12 +99,37 @@ def mlflow_source(uri: str) -> str:
     return artifact_uri(uri)
 
 
-def start_pipeline_run(cfg: Config, run_name: str, rounds: int) -> str:
-    """Create the parent run and its round runs; return the parent run id ("" when tracking is off)."""
+def start_pipeline_run(cfg: Config, run_name: str, rounds: int, *, join: bool = False) -> str:
+    """Create the parent run and its round runs; return the parent run id ("" when tracking is off).
+
+    With `join` (a later segment of a chained run) the newest parent run of `run_name` is reused when
+    there is one, so that the whole chain's stage runs sit under one parent; a round run it lacks is
+    added."""
     uri = tracking_uri(cfg)
     if not uri:
         return ""
     mlflow = _mlflow(cfg)
+    existing = find_pipeline_run(cfg, run_name) if join else None
+    if existing:
+        client = mlflow.MlflowClient()
+        experiment_id = client.get_run(existing).info.experiment_id
+        have = {
+            r.data.tags.get(ROUND_TAG)
+            for r in client.search_runs(
+                [experiment_id], filter_string=f"tags.mlflow.parentRunId = '{existing}'", max_results=5000
+            )
+            if STAGE_TAG not in r.data.tags
+        }
+        for t in range(1, rounds + 1):
+            if str(t) not in have:
+                created = client.create_run(
+                    experiment_id,
+                    run_name=f"round-{t}",
+                    tags={ROUND_TAG: str(t), "mlflow.parentRunId": existing},
+                )
+                client.set_terminated(created.info.run_id)
+        log.info("MLflow: joined parent run %s at %s", existing, uri)
+        return existing
     if uri.startswith("sqlite:///") and mlflow.get_experiment_by_name(cfg.pipeline.experiment) is None:
         # A SQL store's default artifact root is ./mlruns in whatever directory the run starts from;
         # keep a local store's artifacts beside its database (tracking_uri made its path absolute).
@@ -247,6 +272,39 @@ def find_pipeline_run(cfg: Config, run_name: str) -> str | None:
         max_results=1,
     )
     return runs[0].info.run_id if runs else None
+
+
+def find_model_uri(cfg: Config, run_name: str, name: str) -> str | None:
+    """The URI of the newest checkpoint `name` (e.g. "policy-round-3", as the training stages log it)
+    that the pipeline run `run_name` logged, or None."""
+    if not run_name or not tracking_uri(cfg):
+        return None
+    mlflow = _mlflow(cfg)
+    experiment = mlflow.get_experiment_by_name(cfg.pipeline.experiment)
+    if experiment is None:
+        return None
+    models = mlflow.search_logged_models(
+        experiment_ids=[experiment.experiment_id],
+        filter_string=f"name = '{name}' AND tags.`{PIPELINE_TAG}` = '{run_name}'",
+        order_by=[{"field_name": "creation_timestamp", "ascending": False}],
+        output_format="list",
+    )
+    return models[0].tags.get("uri") if models else None
+
+
+def round_metric(cfg: Config, run_name: str, round_idx: int, stage: str, metric: str) -> float | None:
+    """A metric of the newest finished stage run `stage` (as MLflow names it, e.g.
+    "audit-after-aggregate") in round `round_idx` of the pipeline run `run_name`, or None."""
+    parent = find_pipeline_run(cfg, run_name)
+    if parent is None:
+        return None
+    runs = [
+        r
+        for r in stage_runs_by_round(cfg, parent).get(round_idx, [])
+        if r.data.tags.get(STAGE_TAG) == stage and r.info.status == "FINISHED" and metric in r.data.metrics
+    ]
+    runs.sort(key=lambda r: r.info.start_time, reverse=True)
+    return runs[0].data.metrics[metric] if runs else None
 
 
 def mlflow_client(cfg: Config):

@@ -163,12 +163,13 @@ def write_kfp_metrics(summary: Any, values: dict) -> None:
     Path(summary.path).write_text(json.dumps(finite, sort_keys=True))
 
 
-def start_tracking(config_yaml: str, run_name: str, config_path: str = "") -> str:
-    """Create the MLflow parent run; later tasks find it by `run_name` (see tracking.py). With
-    `config_path`, write the checked config there: the pipeline's tasks read it from that artifact
-    rather than each taking the YAML inline."""
+def start_tracking(config_yaml: str, run_name: str, first_round: int = 1, config_path: str = "") -> str:
+    """Create the MLflow parent run, or join it for a later segment of a chained run (`first_round`
+    > 1: every segment's tasks log under the one parent run of `run_name`); later tasks find it by
+    `run_name` (see tracking.py). With `config_path`, write the checked config there: the pipeline's
+    tasks read it from that artifact rather than each taking the YAML inline."""
     cfg = task_config(config_yaml)
     if config_path:
         Path(config_path).parent.mkdir(parents=True, exist_ok=True)
         Path(config_path).write_text(cfg.to_yaml())
-    return tracking.start_pipeline_run(cfg, run_name, cfg.pipeline.rounds)
+    return tracking.start_pipeline_run(cfg, run_name, cfg.pipeline.rounds, join=first_round > 1)
