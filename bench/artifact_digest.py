@@ -15,6 +15,14 @@ cannot be replaced in them), JSON by its parsed content, every other file by its
 path (weights, tokenizers, plots, most tables) must be byte-identical too. Bookkeeping that is new in
 every run is left out: task logs, kfp's executor_output.json, the store's completion markers and the
 hard-linked version folders a reader pins (`.name.v-token`).
+
+A chained run (`pipeline.rounds_per_run`) writes one pipeline-run folder per segment, and each
+folder's index lists every task of the chain: any of them digests the whole chain. Every
+pipeline-run folder the index's tasks wrote to counts as the run's folder (`<run>`), and where the
+same artifact was written by two segments (prepare-data runs in each) both must agree. A task's
+folder name is kfp.local's, so where one long run has `train-policy-2` a chain's second segment has
+`train-policy`: a path to an output of the run is replaced by the output's key (its round, role,
+stage, shard and output name), which is the same in both.
 """
 
 from __future__ import annotations
@@ -34,11 +42,12 @@ SKIPPED_FILES = {"task.log", "executor_output.json", "_COMPLETE"}
 PARQUET_MAGIC = b"PAR1"
 
 
-def _normalised(value: object, run_folder: str) -> object:
+def _normalised(value: object, run_folder: str | dict[str, str]) -> object:
     """`value` with the run folder's path replaced and timings left out (a key, or a metric row
-    {"name": "time/...", ...}): older runs kept the trainers' timings in their artifacts."""
+    {"name": "time/...", ...}): older runs kept the trainers' timings in their artifacts.
+    `run_folder` is one folder, or {path: replacement} (longest first; see `replacements`)."""
     if isinstance(value, str):
-        return value.replace(run_folder, "<run>")
+        return _replace(value, run_folder)
     if isinstance(value, list):
         return [
             _normalised(v, run_folder)
@@ -50,14 +59,43 @@ def _normalised(value: object, run_folder: str) -> object:
     return value
 
 
-def content_digest(path: Path, run_folder: str) -> str:
+def _replace(text: str, run_folder: str | dict[str, str]) -> str:
+    pairs = {run_folder: "<run>"} if isinstance(run_folder, str) else run_folder
+    for path, replacement in pairs.items():
+        text = text.replace(path, replacement)
+    return text
+
+
+def replacements(index: dict, run_folder: Path) -> dict[str, str]:
+    """{path: replacement} for a run's artifact contents: each task output's URI by its key (see
+    `output_key`), then each pipeline-run folder under the run's root by `<run>`; longest first, so
+    that an output's path is replaced before the folder it lies in."""
+    root = run_folder.parent
+    pairs: dict[str, str] = {}
+    for task in index["tasks"]:
+        for output, uris in task["outputs"].items():
+            for uri in uris:
+                pairs[uri] = f"<{output_key(task, output)}>"
+                rel = Path(uri).relative_to(root) if Path(uri).is_relative_to(root) else None
+                if rel is not None and rel.parts:
+                    pairs.setdefault(str(root / rel.parts[0]), "<run>")
+    pairs.setdefault(str(run_folder), "<run>")
+    return dict(sorted(pairs.items(), key=lambda kv: -len(kv[0])))
+
+
+def output_key(task: dict, output: str) -> str:
+    shard = "" if task["shard"] is None else f" shard {task['shard']}"
+    return f"r{task['round']} {task['role'] or '-'} {task['stage']}{shard} {output}"
+
+
+def content_digest(path: Path, run_folder: str | dict[str, str]) -> str:
     """sha256 of the file's content, normalised as the module says."""
     data = path.read_bytes()
     if path.suffix == ".json":
         content = _normalised(json.loads(data), run_folder)
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
     if not data.startswith(PARQUET_MAGIC):
-        return hashlib.sha256(data.replace(run_folder.encode(), b"<run>")).hexdigest()
+        return hashlib.sha256(_replace(data.decode("latin-1"), run_folder).encode("latin-1")).hexdigest()
     table = pq.read_table(io.BytesIO(data))
     digest = hashlib.sha256(table.schema.to_string(show_schema_metadata=True).encode())
     rows = _normalised(table.to_pylist(), run_folder)
@@ -69,9 +107,9 @@ def content_digest(path: Path, run_folder: str) -> str:
 def digest_run(run_folder: Path) -> dict[str, dict[str, str]]:
     """{artifact key: {"content_sha256", "raw_sha256"}} for every output file of every task."""
     index = json.loads((run_folder / "index.json").read_text())
+    paths = replacements(index, run_folder)
     out: dict[str, dict[str, str]] = {}
     for task in index["tasks"]:
-        shard = "" if task["shard"] is None else f" shard {task['shard']}"
         for output, uris in sorted(task["outputs"].items()):
             for uri in uris:
                 root = Path(uri)
@@ -80,12 +118,15 @@ def digest_run(run_folder: Path) -> dict[str, dict[str, str]]:
                     rel = f.relative_to(root)
                     if f.name in SKIPPED_FILES or any(".v-" in part for part in rel.parts):
                         continue
-                    key = f"r{task['round']} {task['role'] or '-'} {task['stage']}{shard} {output}"
-                    key += f"/{rel}" if str(rel) != "." else ""
-                    out[key] = {
-                        "content_sha256": content_digest(f, str(run_folder)),
+                    key = output_key(task, output) + (f"/{rel}" if str(rel) != "." else "")
+                    entry = {
+                        "content_sha256": content_digest(f, paths),
                         "raw_sha256": hashlib.sha256(f.read_bytes()).hexdigest(),
                     }
+                    # a chain writes some outputs once per segment (prepare-data): they must agree
+                    if out.get(key, entry)["content_sha256"] != entry["content_sha256"]:
+                        raise ValueError(f"{key}: two tasks wrote different contents")
+                    out[key] = entry
     return out
 
 

@@ -202,9 +202,11 @@ def test_lineage_models(pipeline_run):
     assert any(metric.key == "policy/accuracy" for metric in policy2.metrics or [])
 
 
-def test_early_stop_skips_later_rounds(tmp_path, monkeypatch):
+@pytest.mark.parametrize("rounds_per_run", [None, 1], ids=["one-run", "chained"])
+def test_early_stop_skips_later_rounds(tmp_path, monkeypatch, rounds_per_run):
     """A run with early_stop_tie_rate stops after round 1 when the policy's scores tie at that rate:
-    round 2's tasks never run."""
+    round 2's tasks never run. In a chain of 1-round runs the rule is applied between them (the audit's
+    tie rate in MLflow): round 2's run is never started."""
     import mlflow
 
     from dynamicrubric.launch import run_local
@@ -219,12 +221,15 @@ def test_early_stop_skips_later_rounds(tmp_path, monkeypatch):
                 # stop unless round 1's scores have no tie at all: with 4 responses scored by
                 # tiny-random's few (often empty) rubrics, some always tie
                 "early_stop_tie_rate": 1e-6,
+                "rounds_per_run": rounds_per_run,
                 "pipeline_root": str(tmp_path / "runs"),
                 "mlflow_tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
             }
         },
     )
-    parent = run_local(cfg).parent_run_id
+    result = run_local(cfg)
+    parent = result.parent_run_id
+    assert len(result.run_dirs) == 1  # the chain's second run never started
     client = mlflow.MlflowClient(tracking_uri=tracking.tracking_uri(cfg))
     stages = _stage_runs(client, client.get_run(parent).info.experiment_id)
     aggregate = next(
@@ -276,3 +281,60 @@ def test_tracking_leaves_the_environment_alone(tmp_path, monkeypatch):
     # a local store keeps its artifacts beside its database, wherever the run started
     assert (tmp_path / "mlruns").is_dir() and not (tmp_path.parent / "mlruns").exists()
     assert tracking.tracking_uri(b).endswith("b.db")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # two tiny runs: ~1.5 min each on an idle 2-core VM
+def test_chained_run_gives_the_artifacts_of_one_run(tmp_path):
+    """`dynrubric run --preset tiny` (2 rounds) as one run and as a chain of two 1-round runs
+    (pipeline.rounds_per_run: 1): round 2 of the chain starts from round 1's checkpoints as MLflow
+    records them, under the same MLflow parent run, and every artifact of the two is the same
+    (bench/artifact_digest.py: the chain's outputs lie in two pipeline-run folders)."""
+    import mlflow
+
+    from bench.artifact_digest import compare, digest_run
+
+    digests, folders = {}, {}
+    for name, per_run in (("single", None), ("chain", 1)):
+        workdir = tmp_path / name
+        workdir.mkdir()
+        pipeline = {"pipeline_root": str(workdir / "runs")} | ({"rounds_per_run": per_run} if per_run else {})
+        config = workdir / "config.yaml"
+        config.write_text(yaml.safe_dump({"preset": "tiny", "pipeline": pipeline}))
+        done = subprocess.run(
+            [sys.executable, "-m", "dynamicrubric.cli", "run", "--config", str(config)],
+            cwd=workdir,
+            capture_output=True,
+            text=True,
+            timeout=1500,
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        folders[name] = sorted(p.parent for p in (workdir / "runs").glob("*/index.json"))
+        digests[name] = {"artifacts": digest_run(folders[name][-1])}
+    assert (len(folders["single"]), len(folders["chain"])) == (1, 2)
+    result = compare(digests["single"], digests["chain"])
+    # the one difference: the config artifact the tasks read says how the rounds were split
+    differs = (result["only_in_first"], result["only_in_second"], result["content_differs"])
+    assert differs == ([], [], ["r0 - start-tracking config"]), result
+    assert result["artifacts"] > 100
+    configs = []
+    for name in ("single", "chain"):
+        index = json.loads((folders[name][-1] / "index.json").read_text())
+        task = next(t for t in index["tasks"] if t["stage"] == "start-tracking")
+        configs.append(yaml.safe_load(Path(task["outputs"]["config"][0]).read_text())["pipeline"])
+    assert (configs[0].pop("rounds_per_run"), configs[1].pop("rounds_per_run")) == (None, 1)
+    assert configs[0].pop("pipeline_root") != configs[1].pop("pipeline_root")
+    assert configs[0] == configs[1]
+
+    cfg = load_config(tmp_path / "chain" / "config.yaml")
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'chain' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name(cfg.pipeline.experiment).experiment_id
+    parents = client.search_runs([experiment], f"tags.`{tracking.STAGE_TAG}` = 'pipeline'")
+    assert [p.data.tags[tracking.PIPELINE_TAG] for p in parents] == [default_run_name(cfg)]  # one parent
+    rounds = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")
+    assert sorted(
+        r.data.tags[tracking.ROUND_TAG] for r in rounds if tracking.STAGE_TAG not in r.data.tags
+    ) == [
+        "1",
+        "2",
+    ]
