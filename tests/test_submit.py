@@ -173,7 +173,7 @@ def test_submit_paper_creates_run_with_cluster_settings(standin, tmp_path, capsy
 
     spec = run.pipeline.spec
     assert spec.pipeline_info.name == "dynamicrubric-dynamic"
-    assert _runtime_task_count(run.pipeline) == task_count(cfg) <= 150
+    assert _runtime_task_count(run.pipeline) == task_count(cfg)
 
     executors = run.pipeline.deployment.executors
     assert set(run.pipeline.kubernetes) == set(executors)  # every task gets the Secret, at least
