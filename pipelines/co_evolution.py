@@ -50,6 +50,7 @@ from kfp import dsl, kubernetes
 from dynamicrubric import store
 from dynamicrubric.components import stages
 from dynamicrubric.config import (
+    CACHE_MOUNT,
     S3_ENV,
     STAGE_FACTS,
     TENSOR_PARALLEL_ENV,
@@ -57,12 +58,13 @@ from dynamicrubric.config import (
     ConfigError,
     ModelsConfig,
     SeedPurpose,
+    StageResources,
+    gpu_count_mismatch,
     policy_variant,
     round_seed,
 )
 from dynamicrubric.models import staging_plan
 
-CACHE_MOUNT = "/model-cache"
 # The largest package `dynrubric compile` writes (bytes of YAML): a run's Argo Workflow object is
 # several times its package once KFP's drivers and node status are in it, and Argo refuses one over
 # 1 MiB.
@@ -75,6 +77,16 @@ RETRY_BACKOFF = {"backoff_duration": "60s", "backoff_factor": 2.0, "backoff_max_
 # `split_evaluate`), and train-policy on GPUs leaves code out of its outcome monitoring (config refuses
 # the verifiable reward on code prompts there).
 RUNS_CODE_LABEL = ("dynamicrubric.io/runs-code", "true")
+
+
+def task_resources(cfg: Config, stage: str) -> StageResources:
+    """What a stage's KFP task requests: its `pipeline.resources`, except a training stage on several
+    nodes, whose task only submits and follows a TrainJob; the TrainJob's nodes get the stage's resources
+    (training/trainjob.py)."""
+    res = cfg.pipeline.stage_resources(stage)
+    if stage in ("train_policy", "train_evaluator") and getattr(cfg, stage).num_nodes > 1:
+        return res.model_copy(update={"gpus": 0, "cpu": "1", "memory": "4Gi"})
+    return res
 
 
 def runs_in_gvisor(cfg: Config, stage: str) -> bool:
@@ -167,7 +179,7 @@ def _configure(cfg: Config, stage: str) -> Callable[[dsl.PipelineTask, str], dsl
     cluster (an object-store pipeline root; `dynrubric submit` refuses any other).
     """
     p = cfg.pipeline
-    res = p.stage_resources(stage)
+    res = task_resources(cfg, stage)
     facts = STAGE_FACTS[stage]
     cluster = for_cluster(cfg)
 
@@ -223,12 +235,9 @@ def build_pipeline(cfg: Config, first: int = 1, last: int | None = None):
     for stage, tcfg in (("train_policy", cfg.train_policy), ("train_evaluator", cfg.train_evaluator)):
         gpus = cfg.pipeline.resources[stage].gpus if stage in cfg.pipeline.resources else 0
         # Config checks this too where engine is vllm (config.check_gpu_memory_plan); here for any engine.
-        if gpus and gpus != tcfg.world_size + tcfg.reward_gpus:
-            raise ConfigError(
-                f"pipeline.resources.{stage}.gpus is {gpus} but {stage}.world_size {tcfg.world_size} + "
-                f"reward_gpus {tcfg.reward_gpus} = {tcfg.world_size + tcfg.reward_gpus}: the training task "
-                "runs one process per training GPU and serves the reward's models on the others"
-            )
+        mismatch = gpu_count_mismatch(stage, tcfg, gpus) if gpus else None
+        if mismatch:
+            raise ConfigError(mismatch)
     c = stages.build(cfg.pipeline.image, cfg.pipeline.cpu_image)
     rounds, shards = cfg.pipeline.rounds, cfg.pipeline.shards
     variant = pipeline_variant(cfg)

@@ -40,7 +40,14 @@ from kubeflow_trainer_api import models as trainer_models
 TRAINJOBS = re.compile(r"^/apis/trainer\.kubeflow\.org/v1alpha1/namespaces/([^/]+)/trainjobs(?:/([^/]+))?$")
 PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+)/log)?$")
 RUNTIMES = ("torch-distributed",)
-GO_TRUE = ("1", "t", "T", "TRUE", "true", "True")  # what the API server's boolean query parameters accept  # the ClusterTrainingRuntimes "installed"
+GO_TRUE = (
+    "1",
+    "t",
+    "T",
+    "TRUE",
+    "true",
+    "True",
+)  # what the API server's boolean query parameters accept  # the ClusterTrainingRuntimes "installed"
 
 
 @dataclass

@@ -321,7 +321,9 @@ def test_paper_preset_launches_one_process_per_gpu():
     from dynamicrubric.pipelines.co_evolution import build_pipeline
 
     # refused when the config loads (vLLM's GPU memory plan) ...
-    with pytest.raises(ConfigError, match=r"gpus is 8 but \(train_policy.world_size 4 \+ reward_gpus 2\) = 6"):
+    with pytest.raises(
+        ConfigError, match=r"gpus is 8 but \(train_policy.world_size 4 \+ reward_gpus 2\) = 6"
+    ):
         load_config(preset="paper", overrides={"train_policy": {"world_size": 4}})
     # ... and, for any engine, when the pipeline compiles
     hf = load_config(
