@@ -1,7 +1,7 @@
 """One KFP component per pipeline stage: the two set-up tasks here, and every declared stage's
 component made from its declaration (dynamicrubric.stages.kfp_source; see a stage's source with
 `python -m dynamicrubric.stages.kfp_source NAME`). Each stage's body only hands its values, by name,
-to `dynamicrubric.stages.runner.run_stage`.
+to `dynamicrubric.stages.runner.run_task`.
 
 Lightweight components (`install_kfp_package=False`, nothing to pip-install): the one authoring
 style that runs both under `kfp.local.SubprocessRunner` and on a cluster, where the image already

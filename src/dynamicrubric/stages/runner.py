@@ -20,7 +20,7 @@ STAGE_PARAM = "stage"  # every stage run logs its stage's name, so a rerun knows
 
 
 def run_stage(name: str, config_yaml: str, run_name: str, round_idx: int, **values: Any) -> dict:
-    """A KFP task's entry point: set up the task process, then run stage `name` (see `execute`)."""
+    """Set up a task process, then run stage `name` on the config's YAML (see `execute`)."""
     started = time.perf_counter()
     return execute(STAGES[name], task_config(config_yaml), run_name, round_idx, values, started=started)
 
@@ -28,9 +28,7 @@ def run_stage(name: str, config_yaml: str, run_name: str, round_idx: int, **valu
 def run_task(name: str, config_path: str, run_name: str, round_idx: int, **values: Any) -> dict:
     """A KFP task's entry point: the config is the start-tracking task's `config` artifact, read from
     the path the launcher put it at (see `start_tracking`)."""
-    started = time.perf_counter()
-    cfg = task_config(Path(config_path).read_text())
-    return execute(STAGES[name], cfg, run_name, round_idx, values, started=started)
+    return run_stage(name, Path(config_path).read_text(), run_name, round_idx, **values)
 
 
 def task_config(config_yaml: str) -> Config:
