@@ -299,9 +299,13 @@ def test_two_nodes_train_a_failed_trainjob_fails_the_task_and_a_retry_resumes(
 
 
 @pytest.mark.slow  # one 2-node launch, stopped after its first step
-def test_a_cancelled_task_deletes_its_trainjob(cluster, s3_env, tmp_path):
-    """KFP cancels a task by stopping its pod (SIGTERM): the task deletes its TrainJob, whose nodes would
-    otherwise hold their GPUs until its deadline."""
+def test_a_killed_task_s_retry_follows_its_trainjob_and_a_cancelled_task_deletes_it(
+    cluster, s3_env, tmp_path
+):
+    """A task killed outright (SIGKILL: an evicted or OOM-killed pod) leaves its TrainJob training; the
+    retried task follows that TrainJob rather than start over. KFP cancels a task by stopping its pod
+    (SIGTERM): the task deletes its TrainJob, whose nodes would otherwise hold their GPUs until its
+    deadline."""
     cfg = _cfg(train_policy=NODES_TRAIN, data={"num_prompts": 8}, pipeline={"s3_secret": "dynamicrubric-s3"})
     job = _nodes_job(s3_env, "cancelled", cfg)
     name = trainjob_name(job)
@@ -317,20 +321,38 @@ def test_a_cancelled_task_deletes_its_trainjob(cluster, s3_env, tmp_path):
         "trainjob.train_on_nodes(config_from_yaml(Path(sys.argv[1]).read_text()), "
         "TrainingJob.from_json(Path(sys.argv[2]).read_text()))\n"
     )
-    task = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "config.yaml"), str(tmp_path / "job.json")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    args = [sys.executable, "-c", script, str(tmp_path / "config.yaml"), str(tmp_path / "job.json")]
+
+    def task() -> subprocess.Popen:
+        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    first = task()
     try:
         for _ in range(600):
             if cluster.job(name):
                 break
             time.sleep(0.5)
         cluster.wait_for_log(name, "stalled after step 1")
+        first.kill()
+        first.wait()
         nodes = cluster.job(name).nodes
-        task.send_signal(signal.SIGTERM)
-        output, _ = task.communicate(timeout=120)
+        assert all(node.proc.poll() is None for node in nodes)  # nothing deleted it: it trains on
+
+        retried = task()
+        try:
+            for line in retried.stdout:
+                if "following it" in line:
+                    break
+            assert line.strip() == (f"TrainJob team-a/{name}: still running from an earlier attempt of this task; "
+                                    "following it")  # fmt: skip
+            retried.send_signal(signal.SIGTERM)
+            output, _ = retried.communicate(timeout=120)
+        finally:
+            retried.kill()
     finally:
-        task.kill()
-    assert task.returncode != 0
+        first.kill()
+    assert len(cluster.created) == 1  # followed, not submitted again
+    assert retried.returncode != 0
     assert f"TrainJob team-a/{name}: deleted (the task stopped following it)" in output
     assert cluster.deleted == [name] and cluster.job(name) is None
     assert all(node.proc.poll() is not None for node in nodes)

@@ -13,8 +13,9 @@ own models, and follows it through the Kubernetes API (the `kubernetes` client, 
 does): status changes and the nodes' log lines go to the task's log. The nodes write the stage's
 outputs under the work prefix (a pod path such as /s3/b/k is the KFP task's own, uploaded only when it
 succeeds); the task copies them to its outputs once the TrainJob is complete. A failed TrainJob fails
-the task with one line naming it; a cancelled task (SIGTERM) deletes it; a retried task deletes a
-leftover TrainJob of the same name and submits again, and the trainer resumes from the newest trainer
+the task with one line naming it; a cancelled task (SIGTERM) deletes it. A retried task follows the
+TrainJob of the same name where it still runs (the attempt before died without deleting it), else
+deletes the one that ended and submits again, and the trainer resumes from the newest trainer
 checkpoint in the work prefix (training/checkpoints.py). A retry after the TrainJob completed only
 copies.
 
@@ -311,26 +312,38 @@ def train_on_nodes(cfg: Config, job: TrainingJob, jobs: TrainJobs | None = None)
 def _run(cfg: Config, job: TrainingJob, files: NodeFiles, jobs: TrainJobs) -> None:
     name = trainjob_name(job)
     where = f"TrainJob {jobs.namespace}/{name}"
-    tcfg = trainee(cfg, job.stage).tcfg
-    store.write_bytes(files.config_uri, cfg.to_yaml().encode())
-    store.write_bytes(files.job_uri, files.job.to_json().encode())
-    for stale in (files.result_uri, error_uri(files.result_uri)):  # a failed attempt's
-        store.delete(stale)
     with _api_errors(where):
-        if jobs.delete(name):
-            print(f"{where}: deleting the one a failed attempt left", flush=True)
-            _wait_gone(jobs, name)
-        body = train_job(cfg, files.job, name=name, namespace=jobs.namespace, config_uri=files.config_uri,
-                         job_uri=files.job_uri, result_uri=files.result_uri)  # fmt: skip
-        jobs.create(body.to_dict())
-    per_node = (tcfg.world_size + tcfg.reward_gpus) // tcfg.num_nodes
-    print(f"{where}: submitted, {tcfg.num_nodes} nodes x {per_node} GPUs, {tcfg.world_size} training processes",
-          flush=True)  # fmt: skip
+        earlier = jobs.get(name)
+    if earlier is not None and outcome(earlier) is None:
+        # An attempt that died without deleting it (its pod killed outright): its nodes train on.
+        print(f"{where}: still running from an earlier attempt of this task; following it", flush=True)
+    else:
+        _submit(cfg, files, jobs, name, where, leftover=earlier is not None)
     with _deleted_when_cancelled(jobs, name, where):
         ended, why = _follow(jobs, name, where)
     if ended == "Failed":
         raise _failure(job.stage, files.result_uri, where, why)
     print(f"{where}: complete", flush=True)
+
+
+def _submit(cfg: Config, files: NodeFiles, jobs: TrainJobs, name: str, where: str, *, leftover: bool) -> None:
+    """Write what the nodes read, then create the TrainJob, after deleting an earlier attempt's that
+    ended (a name is one TrainJob at a time)."""
+    store.write_bytes(files.config_uri, cfg.to_yaml().encode())
+    store.write_bytes(files.job_uri, files.job.to_json().encode())
+    for stale in (files.result_uri, error_uri(files.result_uri)):  # a failed attempt's
+        store.delete(stale)
+    with _api_errors(where):
+        if leftover and jobs.delete(name):
+            print(f"{where}: deleting the one a failed attempt left", flush=True)
+            _wait_gone(jobs, name)
+        body = train_job(cfg, files.job, name=name, namespace=jobs.namespace, config_uri=files.config_uri,
+                         job_uri=files.job_uri, result_uri=files.result_uri)  # fmt: skip
+        jobs.create(body.to_dict())
+    tcfg = trainee(cfg, files.job.stage).tcfg
+    per_node = (tcfg.world_size + tcfg.reward_gpus) // tcfg.num_nodes
+    print(f"{where}: submitted, {tcfg.num_nodes} nodes x {per_node} GPUs, {tcfg.world_size} training processes",
+          flush=True)  # fmt: skip
 
 
 def _follow(jobs: TrainJobs, name: str, where: str) -> tuple[str, str]:
