@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,8 @@ class KubernetesStandIn:
         self.created: list[dict] = []  # every TrainJob body accepted, in order
         self.deleted: list[str] = []
         self.authorizations: set[str] = set()
+        # (method, resource) -> HTTP status the API answers instead, as a cluster whose RBAC denies it
+        self.refuse: dict[tuple[str, str], int] = {}
         self.lock = threading.RLock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._threads = [threading.Thread(target=self._server.serve_forever, daemon=True),
@@ -318,6 +321,11 @@ class KubernetesStandIn:
                 standin.requests.append((method, url.path))
                 standin.authorizations.add(self.headers.get("Authorization", ""))
                 jobs, pods = TRAINJOBS.match(url.path), PODS.match(url.path)
+                refused = standin.refuse.get((method, "trainjobs" if jobs else "pods" if pods else ""))
+                if refused:
+                    return self._reply(
+                        refused, _status(refused, HTTPStatus(refused).phrase, "refused by the test")
+                    )
                 if jobs and method == "POST" and not jobs[2]:
                     body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                     try:

@@ -235,6 +235,20 @@ def _nodes_job(bucket: str, name: str, cfg) -> TrainingJob:
                        policy="tiny-random", generator="tiny-random", prompts_uri=prompts)  # fmt: skip
 
 
+def test_a_service_account_that_may_not_create_trainjobs_fails_the_task_in_one_line(cluster, s3_env):
+    """The API's refusal (RBAC: 403) named with what to check; nothing is left behind to delete."""
+    cfg = _cfg(train_policy=NODES_TRAIN, data={"num_prompts": 8}, pipeline={"s3_secret": "dynamicrubric-s3"})
+    job = _nodes_job(s3_env, "denied", cfg)
+    cluster.refuse[("POST", "trainjobs")] = 403
+    with pytest.raises(TrainJobFailed) as denied:
+        train_on_nodes(cfg, job)
+    assert str(denied.value) == (
+        f"TrainJob team-a/{trainjob_name(job)}: the Kubernetes API answered 403 Forbidden: the task's service "
+        "account may not manage TrainJobs or read pods in this namespace (manifests/base/rbac.yaml)"
+    )
+    assert cluster.created == [] and cluster.deleted == []
+
+
 def _weights(uri: str, local: Path) -> dict[str, torch.Tensor]:
     return load_file(str(store.download_dir(uri, local) / "model.safetensors"))
 
