@@ -249,6 +249,25 @@ def test_a_service_account_that_may_not_create_trainjobs_fails_the_task_in_one_l
     assert cluster.created == [] and cluster.deleted == []
 
 
+def test_an_api_that_stops_answering_leaves_the_trainjob_for_the_retry(cluster, s3_env, monkeypatch):
+    """Server errors while the task follows are waited out (API_PATIENCE_S); past that the task fails in
+    one line and leaves its TrainJob training, for its retry to follow: deleting hours of training over
+    a restarting API server would be the worse failure."""
+    monkeypatch.setattr("dynamicrubric.training.trainjob.API_PATIENCE_S", 2.0)
+    cfg = _cfg(train_policy=NODES_TRAIN, data={"num_prompts": 8}, pipeline={"s3_secret": "dynamicrubric-s3"})
+    job = _nodes_job(s3_env, "unreachable", cfg)
+    name = trainjob_name(job)
+    cluster.node_env[STALL_ENV] = "1"
+    cluster.refuse[("GET", "pods")] = 503
+    with pytest.raises(TrainJobFailed) as lost:
+        train_on_nodes(cfg, job)
+    assert str(lost.value) == (
+        f"TrainJob team-a/{name}: no status from the Kubernetes API for 2 s (503 Service Unavailable); it is left running for "
+        "the task's retry to follow"
+    )
+    assert cluster.deleted == [] and cluster.job(name) is not None
+
+
 def _weights(uri: str, local: Path) -> dict[str, torch.Tensor]:
     return load_file(str(store.download_dir(uri, local) / "model.safetensors"))
 
@@ -367,6 +386,6 @@ def test_a_killed_task_s_retry_follows_its_trainjob_and_a_cancelled_task_deletes
         first.kill()
     assert len(cluster.created) == 1  # followed, not submitted again
     assert retried.returncode != 0
-    assert f"TrainJob team-a/{name}: deleted (the task stopped following it)" in output
+    assert f"TrainJob team-a/{name}: deleted (the task was cancelled)" in output
     assert cluster.deleted == [name] and cluster.job(name) is None
     assert all(node.proc.poll() is not None for node in nodes)

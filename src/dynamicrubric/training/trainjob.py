@@ -69,6 +69,7 @@ PATCH_MANAGER = "dynamicrubric.io/training"
 S3_CLIENT_LABEL = "dynamicrubric.io/s3-client"
 POLL_S = 5.0  # between two reads of the TrainJob's status
 GONE_TIMEOUT_S = 600.0  # how long a leftover TrainJob of a failed attempt may take to go
+API_PATIENCE_S = 900.0  # how long the API may stay unreachable while the task follows its TrainJob
 
 
 class TrainJobFailed(RuntimeError):
@@ -351,12 +352,28 @@ def _follow(jobs: TrainJobs, name: str, where: str) -> tuple[str, str]:
     lines (prefixed with the node) as they come."""
     followed: dict[str, threading.Thread] = {}
     phases: list[str] = []
+    unreachable_since: float | None = None
     while True:
-        with _api_errors(where):
-            trainjob = jobs.get(name)
-            if trainjob is None:
-                raise TrainJobFailed(f"{where} is gone before it ended (deleted outside this task)")
-            pods = jobs.node_pods(name)
+        try:
+            trainjob, pods = jobs.get(name), jobs.node_pods(name)
+        except Exception as e:
+            if not _transient(e):
+                with _api_errors(where):
+                    raise
+            # the API server restarting, the network: the training goes on meanwhile
+            unreachable_since = unreachable_since or time.monotonic()
+            reason = _reason(e)
+            if time.monotonic() - unreachable_since > API_PATIENCE_S:
+                raise TrainJobFailed(
+                    f"{where}: no status from the Kubernetes API for {API_PATIENCE_S:.0f} s ({reason}); it is "
+                    "left running for the task's retry to follow"
+                ) from e
+            log.warning("%s: cannot read its status (%s); asking again in %.0f s", where, reason, POLL_S)
+            time.sleep(POLL_S)
+            continue
+        unreachable_since = None
+        if trainjob is None:
+            raise TrainJobFailed(f"{where} is gone before it ended (deleted outside this task)")
         now = [f"node-{node_index(p)} {p.status.phase if p.status else 'Pending'}" for p in pods]
         if now != phases:
             print(f"{where}: {', '.join(now) or 'no node pod yet'}", flush=True)
@@ -405,8 +422,9 @@ def _wait_gone(jobs: TrainJobs, name: str) -> None:
 
 @contextlib.contextmanager
 def _deleted_when_cancelled(jobs: TrainJobs, name: str, where: str) -> Iterator[None]:
-    """A cancelled KFP task (SIGTERM to its pod) or one that stops following for any other reason
-    deletes its TrainJob, whose nodes would otherwise hold their GPUs until its deadline."""
+    """A cancelled KFP task (SIGTERM to its pod: a cancel, the task's deadline) or an interrupted one
+    deletes its TrainJob, whose nodes would otherwise hold their GPUs until the TrainJob's deadline. A
+    task that stops following for an error of its own leaves it training: its retry follows it."""
 
     def cancel(signum, frame):
         raise Cancelled(f"{where}: the task was cancelled")
@@ -414,13 +432,29 @@ def _deleted_when_cancelled(jobs: TrainJobs, name: str, where: str) -> Iterator[
     previous = signal.signal(signal.SIGTERM, cancel)
     try:
         yield
-    except BaseException:
+    except (Cancelled, KeyboardInterrupt):
         with contextlib.suppress(Exception):
             if jobs.delete(name):
-                print(f"{where}: deleted (the task stopped following it)", flush=True)
+                print(f"{where}: deleted (the task was cancelled)", flush=True)
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _transient(error: Exception) -> bool:
+    """An error the API may not give again: a server error, throttling, no connection."""
+    from kubernetes.client.exceptions import ApiException
+
+    if isinstance(error, ApiException):
+        return error.status is None or error.status >= 500 or error.status == 429
+    return isinstance(error, OSError) or type(error).__module__.startswith("urllib3")
+
+
+def _reason(error: Exception) -> str:
+    status = getattr(error, "status", None)  # an ApiException's first line is only "(503)"
+    if status:
+        return f"{status} {getattr(error, 'reason', '')}".strip()
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 @contextlib.contextmanager
