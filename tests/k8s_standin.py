@@ -1,5 +1,5 @@
 """A loopback stand-in of the Kubernetes API and of Kubeflow Trainer's controller, for testing the
-training stage's TrainJob path (training/trainjob.py).
+training stage's TrainJob path (training/on_nodes.py).
 
 No Kubernetes API server, Trainer controller or JobSet can run here. This serves the calls the
 `kubernetes` client makes for a TrainJob, and acts as the controller would: a TrainJob it accepts

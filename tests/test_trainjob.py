@@ -1,4 +1,5 @@
-"""A training stage on several nodes as a Kubeflow Trainer TrainJob (training/trainjob.py).
+"""A training stage on several nodes as a Kubeflow Trainer TrainJob (training/trainjob.py,
+training/on_nodes.py).
 
 The object is built with the SDK's own models and checked field by field. Submitting, following,
 failing, cancelling and retrying run against tests/k8s_standin.py, a named stand-in of the Kubernetes
@@ -32,14 +33,8 @@ from dynamicrubric.config import S3_ENV, load_config
 from dynamicrubric.training import launcher
 from dynamicrubric.training.checkpoints import STALL_ENV
 from dynamicrubric.training.data import TrainingJob
-from dynamicrubric.training.trainjob import (
-    API_VERSION,
-    TORCH_RUNTIME,
-    TrainJobFailed,
-    train_job,
-    train_on_nodes,
-    trainjob_name,
-)
+from dynamicrubric.training.on_nodes import TrainJobFailed, train_on_nodes
+from dynamicrubric.training.trainjob import API_VERSION, TORCH_RUNTIME, train_job, trainjob_name
 
 # Both of the paper's trainers on 2 nodes of 8 GPUs: each node trains on 6 (policy) or 7 (evaluator) and
 # serves its own reward models on the rest (the policy's G and V, the evaluator's V).
@@ -221,7 +216,7 @@ def cluster(s3_env, seaweed, tmp_path, monkeypatch):
     standin = KubernetesStandIn(tmp_path / "pods", {"dynamicrubric-s3": seaweed.env()}, base_env).start()
     monkeypatch.setenv("KUBECONFIG", str(standin.kubeconfig(tmp_path / "kubeconfig", "team-a")))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    monkeypatch.setattr("dynamicrubric.training.trainjob.POLL_S", 0.5)
+    monkeypatch.setattr("dynamicrubric.training.on_nodes.POLL_S", 0.5)
     yield standin
     standin.stop()
     assert standin.unhandled == []
@@ -253,7 +248,7 @@ def test_an_api_that_stops_answering_leaves_the_trainjob_for_the_retry(cluster, 
     """Server errors while the task follows are waited out (API_PATIENCE_S); past that the task fails in
     one line and leaves its TrainJob training, for its retry to follow: deleting hours of training over
     a restarting API server would be the worse failure."""
-    monkeypatch.setattr("dynamicrubric.training.trainjob.API_PATIENCE_S", 2.0)
+    monkeypatch.setattr("dynamicrubric.training.on_nodes.API_PATIENCE_S", 2.0)
     cfg = _cfg(train_policy=NODES_TRAIN, data={"num_prompts": 8}, pipeline={"s3_secret": "dynamicrubric-s3"})
     job = _nodes_job(s3_env, "unreachable", cfg)
     name = trainjob_name(job)
@@ -349,9 +344,9 @@ def test_a_killed_task_s_retry_follows_its_trainjob_and_a_cancelled_task_deletes
         "import sys; from pathlib import Path\n"
         "from dynamicrubric.config import config_from_yaml\n"
         "from dynamicrubric.training.data import TrainingJob\n"
-        "from dynamicrubric.training import trainjob\n"
-        "trainjob.POLL_S = 0.5\n"
-        "trainjob.train_on_nodes(config_from_yaml(Path(sys.argv[1]).read_text()), "
+        "from dynamicrubric.training import on_nodes\n"
+        "on_nodes.POLL_S = 0.5\n"
+        "on_nodes.train_on_nodes(config_from_yaml(Path(sys.argv[1]).read_text()), "
         "TrainingJob.from_json(Path(sys.argv[2]).read_text()))\n"
     )
     args = [sys.executable, "-c", script, str(tmp_path / "config.yaml"), str(tmp_path / "job.json")]

@@ -15,9 +15,9 @@ from dynamicrubric.stages.spec import Data, Stage
 
 def _train(cfg: Config, job) -> dict:
     """On this task's machine, or on num_nodes nodes as a Kubeflow Trainer TrainJob that the task submits
-    and follows (training/trainjob.py)."""
+    and follows (training/on_nodes.py)."""
     if getattr(cfg, job.stage.replace("-", "_")).num_nodes > 1:
-        from dynamicrubric.training.trainjob import train_on_nodes
+        from dynamicrubric.training.on_nodes import train_on_nodes
 
         return train_on_nodes(cfg, job)
     from dynamicrubric.training.launcher import launch
