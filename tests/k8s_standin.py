@@ -19,6 +19,7 @@ until the node ends). Anything else is a 404 recorded in `unhandled`, so a test 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -77,6 +78,26 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a node's process and every process under it, as deleting a pod stops all of its
+    container's processes: torchrun's workers leave the node's process group, so killpg alone would
+    leave them running (a stalled one forever)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # a process that ended while we read
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:  # every descendant first, while their parents still link them
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    for member in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)
 
 
 def _node_mounts(trainjob: dict) -> list[dict]:
@@ -156,7 +177,7 @@ class KubernetesStandIn:
         """A node lost (its process killed), as when a GPU node goes away."""
         job = self.job(name, namespace)
         assert job is not None, name
-        os.killpg(job.nodes[index].proc.pid, signal.SIGKILL)
+        _kill_tree(job.nodes[index].proc.pid)
 
     def wait_for_log(self, name: str, text: str, timeout: float = 600, namespace: str = "team-a") -> None:
         """Until some node of the TrainJob has printed `text`."""
@@ -242,7 +263,7 @@ class KubernetesStandIn:
     def _kill(job: Job) -> None:
         for node in job.nodes:
             if node.proc.poll() is None:
-                os.killpg(node.proc.pid, signal.SIGKILL)
+                _kill_tree(node.proc.pid)
                 node.proc.wait()
                 node.phase = "Failed"
 

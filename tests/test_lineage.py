@@ -59,12 +59,17 @@ def _run_of(task: dict, runs: list):
 
 def test_every_task_logs_every_input_and_output(tiny_run, walked):
     client, runs = walked
-    tasks = [t for t in tiny_run["index"]["tasks"] if t["outputs"]]
-    # start-tracking and stage-models (a plan of model references, no artifact locally) write nothing
-    assert {t["component"] for t in tiny_run["index"]["tasks"] if not t["outputs"]} <= {
-        "start_tracking",
-        "stage_models",
-    }
+    # stage-models (a plan of model references, no artifact locally) writes nothing; start-tracking only
+    # the run's config, which every other task reads as its `config` input and the parent run logs
+    assert {t["component"] for t in tiny_run["index"]["tasks"] if not t["outputs"]} <= {"stage_models"}
+    (start,) = [t for t in tiny_run["index"]["tasks"] if t["component"] == "start_tracking"]
+    (config,) = start["outputs"]["config"]
+    (parent,) = client.search_runs(
+        [runs[0].info.experiment_id], filter_string=f"tags.`{tracking.STAGE_TAG}` = 'pipeline'"
+    )
+    logged = Path(client.download_artifacts(parent.info.run_id, "config.yaml")).read_text()
+    assert logged == Path(config).read_text()
+    tasks = [t for t in tiny_run["index"]["tasks"] if t["outputs"] and t["component"] != "start_tracking"]
     seen_runs = set()
     for task in tasks:
         where = f"{task['stage']} round {task['round']} {task['role']} shard {task['shard']}"
@@ -78,6 +83,9 @@ def test_every_task_logs_every_input_and_output(tiny_run, walked):
         assert all(uri == source for uri, source in {**inputs, **outputs}.items()), where
         params = set(run.data.params.values())
         for name, uris in task["inputs"].items():
+            if name == "config":  # the run's config: the parent run's config.yaml (above)
+                assert uris == [config], where
+                continue
             for uri in uris:
                 resolved = str(Path(uri).resolve())
                 if _is_model(uri):  # a checkpoint read: the model reference the task logged

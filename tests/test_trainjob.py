@@ -220,6 +220,16 @@ def cluster(s3_env, seaweed, tmp_path, monkeypatch):
     yield standin
     standin.stop()
     assert standin.unhandled == []
+    # no training process of a node outlives it (a stalled one would sleep on after the test)
+    leftover = [p for p in Path("/proc").glob("[0-9]*/cmdline") if str(tmp_path / "pods") in _read(p)]
+    assert leftover == [], leftover
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _nodes_job(bucket: str, name: str, cfg) -> TrainingJob:

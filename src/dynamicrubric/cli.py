@@ -229,6 +229,16 @@ def _config_with_rounds(args: argparse.Namespace):
     return load_config(args.config, preset=args.preset, overrides=overrides)
 
 
+def _add_round_flags(p: argparse.ArgumentParser) -> None:
+    """run, compile and submit: how many rounds, and how many a run of a chain holds."""
+    p.add_argument("--rounds", type=int, help="override pipeline.rounds")
+    p.add_argument(
+        "--rounds-per-run",
+        type=int,
+        help="override pipeline.rounds_per_run (a chain of runs of this many rounds)",
+    )
+
+
 def _stage_parser(sub, name: str, help_text: str, func) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
     p.add_argument("--config", metavar="FILE", help="YAML config laid over the preset")
@@ -272,12 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _stage_parser(
         sub, "run", "run the whole co-evolution pipeline locally (kfp.local, MLflow in sqlite)", cmd_run
     )
-    p.add_argument("--rounds", type=int, help="override pipeline.rounds")
-    p.add_argument(
-        "--rounds-per-run",
-        type=int,
-        help="override pipeline.rounds_per_run (a chain of runs of this many rounds)",
-    )
+    _add_round_flags(p)
     p.add_argument(
         "--fresh",
         action="store_true",
@@ -292,24 +297,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the package; with rounds_per_run one per segment beside it (FILE-rounds-01-03.yaml, ...) "
         "or, for a folder, in it",
     )
-    p.add_argument("--rounds", type=int, help="override pipeline.rounds")
-    p.add_argument(
-        "--rounds-per-run",
-        type=int,
-        help="override pipeline.rounds_per_run (a chain of runs of this many rounds)",
-    )
+    _add_round_flags(p)
     p = _stage_parser(
         sub, "submit", "compile and submit the pipeline to a Kubeflow Pipelines host", cmd_submit
     )
     p.add_argument("--host", required=True, help="KFP API endpoint, e.g. http://localhost:8080")
     p.add_argument("--experiment", help="KFP experiment (default: pipeline.experiment)")
     p.add_argument("--run-name", help="KFP run name (default: derived from the config)")
-    p.add_argument("--rounds", type=int, help="override pipeline.rounds")
-    p.add_argument(
-        "--rounds-per-run",
-        type=int,
-        help="override pipeline.rounds_per_run (a chain of runs of this many rounds)",
-    )
+    _add_round_flags(p)
     p.add_argument(
         "--poll-seconds",
         type=float,

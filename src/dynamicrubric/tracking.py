@@ -257,16 +257,23 @@ class StageRun:
         self.mlflow.log_artifacts(local_dir, artifact_path)
 
 
-def find_pipeline_run(cfg: Config, run_name: str) -> str | None:
-    """The id of the newest parent run created for `run_name`."""
+def _run_experiment(cfg: Config, run_name: str) -> str | None:
+    """The id of the experiment a pipeline run `run_name` logs to; None without a run name, a tracking
+    store, or the experiment (nothing was logged)."""
     if not run_name or not tracking_uri(cfg):
         return None
-    mlflow = _mlflow(cfg)
-    experiment = mlflow.get_experiment_by_name(cfg.pipeline.experiment)
+    experiment = _mlflow(cfg).get_experiment_by_name(cfg.pipeline.experiment)
+    return experiment.experiment_id if experiment is not None else None
+
+
+def find_pipeline_run(cfg: Config, run_name: str) -> str | None:
+    """The id of the newest parent run created for `run_name`."""
+    experiment = _run_experiment(cfg, run_name)
     if experiment is None:
         return None
-    runs = mlflow.MlflowClient().search_runs(
-        [experiment.experiment_id],
+    client = _mlflow(cfg).MlflowClient()
+    runs = client.search_runs(
+        [experiment],
         filter_string=f"tags.`{PIPELINE_TAG}` = '{run_name}' and tags.`{STAGE_TAG}` = 'pipeline'",
         order_by=["attributes.start_time DESC"],
         max_results=1,
@@ -277,14 +284,11 @@ def find_pipeline_run(cfg: Config, run_name: str) -> str | None:
 def find_model_uri(cfg: Config, run_name: str, name: str) -> str | None:
     """The URI of the newest checkpoint `name` (e.g. "policy-round-3", as the training stages log it)
     that the pipeline run `run_name` logged, or None."""
-    if not run_name or not tracking_uri(cfg):
-        return None
-    mlflow = _mlflow(cfg)
-    experiment = mlflow.get_experiment_by_name(cfg.pipeline.experiment)
+    experiment = _run_experiment(cfg, run_name)
     if experiment is None:
         return None
-    models = mlflow.search_logged_models(
-        experiment_ids=[experiment.experiment_id],
+    models = _mlflow(cfg).search_logged_models(
+        experiment_ids=[experiment],
         filter_string=f"name = '{name}' AND tags.`{PIPELINE_TAG}` = '{run_name}'",
         order_by=[{"field_name": "creation_timestamp", "ascending": False}],
         output_format="list",
