@@ -10,6 +10,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import transformers.utils.logging  # noqa: E402
+
+# The MLflow server on PostgreSQL and SeaweedFS, one per session: declared here once, since a fixture
+# imported into two test modules is two fixtures (two servers, and the second's bucket exists already).
+from mlflow_server import mlflow_server, postgres  # noqa: E402, F401
 from services import SeaweedS3  # noqa: E402
 
 from dynamicrubric import store  # noqa: E402

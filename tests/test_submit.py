@@ -23,7 +23,6 @@ import pytest
 import yaml
 from google.protobuf import json_format
 from kfp_standin import KfpStandIn, ParsedPipeline, parse_package
-from mlflow_server import mlflow_server, postgres  # noqa: F401 - session fixtures
 
 from dynamicrubric import cli, tracking
 from dynamicrubric.config import STAGE_FACTS, TENSOR_PARALLEL_ENV, config_from_yaml, load_config
@@ -556,7 +555,7 @@ def test_compile_refuses_a_package_over_the_limit(tmp_path, capsys):
 
 
 @pytest.fixture
-def mlflow_uri(mlflow_server, monkeypatch) -> str:  # noqa: F811 - the imported session fixture
+def mlflow_uri(mlflow_server, monkeypatch) -> str:
     """A real MLflow server (PostgreSQL store), as a cluster's pods and `submit` reach it."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.url)
     return mlflow_server.url

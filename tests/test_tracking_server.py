@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 from mlflow import MlflowClient
-from mlflow_server import MLFLOW_BUCKET, mlflow_server, postgres  # noqa: F401 - session fixtures
+from mlflow_server import MLFLOW_BUCKET
 
 from dynamicrubric import store, tracking
 from dynamicrubric.artifacts import write_artifact
@@ -32,7 +32,7 @@ PROMPTS = [
 
 
 @pytest.fixture
-def cfg(mlflow_server, monkeypatch):  # noqa: F811 - the imported fixture
+def cfg(mlflow_server, monkeypatch):
     """A config in its own experiment; the tracking URI comes from the environment, as in a pod."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.url)
     monkeypatch.delenv("MLFLOW_S3_ENDPOINT_URL", raising=False)
@@ -43,7 +43,7 @@ def cfg(mlflow_server, monkeypatch):  # noqa: F811 - the imported fixture
 
 
 @pytest.fixture
-def client(mlflow_server) -> MlflowClient:  # noqa: F811
+def client(mlflow_server) -> MlflowClient:
     return MlflowClient(tracking_uri=mlflow_server.url)
 
 
@@ -137,7 +137,7 @@ def test_checkpoint_is_a_logged_model_pointing_at_its_uri(cfg, client):
 def test_plots_go_through_the_artifact_proxy_into_the_bucket(
     cfg,
     client,
-    mlflow_server,  # noqa: F811
+    mlflow_server,
     no_s3_credentials,
     tmp_path,
 ):
