@@ -159,14 +159,15 @@ def train_on_nodes(cfg: Config, job: TrainingJob, jobs: TrainJobs | None = None)
 def _run(cfg: Config, job: TrainingJob, files: NodeFiles, jobs: TrainJobs) -> None:
     name = trainjob_name(job)
     where = f"TrainJob {jobs.namespace}/{name}"
-    with _api_errors(where):
-        earlier = jobs.get(name)
-    if earlier is not None and outcome(earlier) is None:
-        # An attempt that died without deleting it (its pod killed outright): its nodes train on.
-        print(f"{where}: still running from an earlier attempt of this task; following it", flush=True)
-    else:
-        _submit(cfg, files, jobs, name, where, leftover=earlier is not None)
+    # From before the TrainJob exists: a cancel that comes while it is submitted still deletes it.
     with _deleted_when_cancelled(jobs, name, where):
+        with _api_errors(where):
+            earlier = jobs.get(name)
+        if earlier is not None and outcome(earlier) is None:
+            # An attempt that died without deleting it (its pod killed outright): its nodes train on.
+            print(f"{where}: still running from an earlier attempt of this task; following it", flush=True)
+        else:
+            _submit(cfg, files, jobs, name, where, leftover=earlier is not None)
         ended, why = _follow(jobs, name, where)
     if ended == "Failed":
         raise _failure(job.stage, files.result_uri, where, why)
