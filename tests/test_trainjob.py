@@ -232,6 +232,10 @@ def _read(path: Path) -> str:
         return ""
 
 
+def _nodes_cfg():
+    return _cfg(train_policy=NODES_TRAIN, data={"num_prompts": 8}, pipeline={"s3_secret": "dynamicrubric-s3"})
+
+
 def _nodes_job(bucket: str, name: str, cfg) -> TrainingJob:
     prompts = f"s3://{bucket}/prompts.parquet"
     write_artifact(prompts, "prompts", tasks.configured_prompts(cfg.data, "train"))
@@ -242,7 +246,7 @@ def _nodes_job(bucket: str, name: str, cfg) -> TrainingJob:
 
 def test_a_service_account_that_may_not_create_trainjobs_fails_the_task_in_one_line(cluster, s3_env):
     """The API's refusal (RBAC: 403) named with what to check; nothing is left behind to delete."""
-    cfg = _cfg(train_policy=NODES_TRAIN, data={"num_prompts": 8}, pipeline={"s3_secret": "dynamicrubric-s3"})
+    cfg = _nodes_cfg()
     job = _nodes_job(s3_env, "denied", cfg)
     cluster.refuse[("POST", "trainjobs")] = 403
     with pytest.raises(TrainJobFailed) as denied:
@@ -259,7 +263,7 @@ def test_an_api_that_stops_answering_leaves_the_trainjob_for_the_retry(cluster, 
     one line and leaves its TrainJob training, for its retry to follow: deleting hours of training over
     a restarting API server would be the worse failure."""
     monkeypatch.setattr("dynamicrubric.training.on_nodes.API_PATIENCE_S", 2.0)
-    cfg = _cfg(train_policy=NODES_TRAIN, data={"num_prompts": 8}, pipeline={"s3_secret": "dynamicrubric-s3"})
+    cfg = _nodes_cfg()
     job = _nodes_job(s3_env, "unreachable", cfg)
     name = trainjob_name(job)
     cluster.node_env[STALL_ENV] = "1"
@@ -281,7 +285,7 @@ def _weights(uri: str, local: Path) -> dict[str, torch.Tensor]:
 def test_two_nodes_train_a_failed_trainjob_fails_the_task_and_a_retry_resumes(
     cluster, s3_env, tmp_path, capfd
 ):
-    cfg = _cfg(train_policy=NODES_TRAIN, data={"num_prompts": 8}, pipeline={"s3_secret": "dynamicrubric-s3"})
+    cfg = _nodes_cfg()
 
     # 1. An uninterrupted TrainJob: both nodes train, the task copies their outputs to its own.
     whole = _nodes_job(s3_env, "whole", cfg)
@@ -344,7 +348,7 @@ def test_a_killed_task_s_retry_follows_its_trainjob_and_a_cancelled_task_deletes
     retried task follows that TrainJob rather than start over. KFP cancels a task by stopping its pod
     (SIGTERM): the task deletes its TrainJob, whose nodes would otherwise hold their GPUs until its
     deadline."""
-    cfg = _cfg(train_policy=NODES_TRAIN, data={"num_prompts": 8}, pipeline={"s3_secret": "dynamicrubric-s3"})
+    cfg = _nodes_cfg()
     job = _nodes_job(s3_env, "cancelled", cfg)
     name = trainjob_name(job)
     (tmp_path / "config.yaml").write_text(cfg.to_yaml())
