@@ -1,25 +1,29 @@
 #!/usr/bin/env bash
-# One GRPO step of a Qwen3-8B-shaped model on one GPU, offline, with its memory against the GPU memory plan
-# (bench/gpu_step.py). The GPU machine has no network and gets only this working tree (64 MiB at most); it
+# On one GPU, offline: first the real training launch (bench/gpu_launch.py: launch_command -> accelerate launch
+# with accelerate/fsdp.yaml, world size 1, a full-finetune FSDP2 step of tiny-random with a reference model, a
+# DCP checkpoint, a kill and a resume, the export; the reference must equal the policy at step 0), then one
+# GRPO step of a Qwen3-8B-shaped model with its memory against the GPU memory plan (bench/gpu_step.py). The GPU machine has no network and gets only this working tree (64 MiB at most); it
 # has torch, transformers, accelerate and peft, so only the small wheels it lacks travel, in .gpu-wheels/
 # (ignored by git: carry it): trl, datasets, pydantic, their small dependencies, pip, and this project.
 #
 #   bench/gpu_smoke.sh --prepare   # here, with network: fills .gpu-wheels/ and prints its size
-#   bench/gpu_smoke.sh             # on the GPU machine, from the repository root: under 8 minutes
-#   bench/gpu_smoke.sh --check     # anywhere, no GPU: syntax, inputs, a CPU dry run of the tiny shape
+#   bench/gpu_smoke.sh             # on the GPU machine, from the repository root: under 10 minutes
+#   bench/gpu_smoke.sh --check     # anywhere, no GPU: syntax, inputs, CPU dry runs of the launch and the tiny shape
 #
 # It prints one line: `gpu_smoke: PASS ...` or `gpu_smoke: FAIL at <step>: <why>`. The step's JSON goes to
-# $GPU_SMOKE_JSON, else $OUT/gpu_smoke.json when $OUT is set, else bench/results/gpu_smoke.json; its log
-# beside it (gpu_smoke.log).
+# $GPU_SMOKE_JSON, else $OUT/gpu_smoke.json when $OUT is set, else bench/results/gpu_smoke.json; the launch's
+# JSON (gpu_launch.json) and the log (gpu_smoke.log) beside it.
 # Knobs (environment): PYTHON (the interpreter: python3 on the GPU machine, .venv/bin/python for --prepare
 # and --check), GPU_SMOKE_WHEELS (default .gpu-wheels), GPU_SMOKE_WORK (scratch for the venv, default a new
-# temporary folder), GPU_SMOKE_STEP_TIMEOUT (seconds for the step, default 420).
+# temporary folder), GPU_SMOKE_STEP_TIMEOUT (seconds for the step, default 420), GPU_SMOKE_LAUNCH_TIMEOUT
+# (seconds for the launch, default 150): 10 minutes in all at most.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 WHEELS="${GPU_SMOKE_WHEELS:-$ROOT/.gpu-wheels}"
 STEP_TIMEOUT="${GPU_SMOKE_STEP_TIMEOUT:-420}"
+LAUNCH_TIMEOUT="${GPU_SMOKE_LAUNCH_TIMEOUT:-150}"
 # The distributions the GPU machine lacks (as wheel file names spell them), pip to install them with
 # (the machine's python3 may have neither pip nor ensurepip), and this project.
 NEEDED="trl datasets dill multiprocess pydantic pydantic_core annotated_types typing_inspection pip dynamicrubric"
@@ -59,7 +63,7 @@ wheels_mib() {
 }
 
 check_files() {
-    for f in bench/gpu_step.py bench/__init__.py src/dynamicrubric/presets/paper.yaml; do
+    for f in bench/gpu_step.py bench/gpu_launch.py bench/__init__.py src/dynamicrubric/presets/paper.yaml; do
         [ -f "$f" ] || fail "$f is missing"
     done
 }
@@ -110,7 +114,7 @@ case "${1:-}" in
     PY=$(local_python)
     STEP="imports"
     # The project's modules that the step imports must need nothing the GPU machine lacks.
-    lacking=$("$PY" -c "import sys, bench.gpu_step as g, dynamicrubric.training.grpo, dynamicrubric.training.launcher, dynamicrubric.config
+    lacking=$("$PY" -c "import sys, bench.gpu_step as g, bench.gpu_launch, dynamicrubric.training.grpo, dynamicrubric.training.launcher, dynamicrubric.config
 print(' '.join(m for m in g.LACKING if m in sys.modules))") || fail "$PY cannot import bench.gpu_step and dynamicrubric.training"
     [ -z "$lacking" ] || fail "dynamicrubric.training imports $lacking, which the GPU machine lacks"
     STEP="dry run"
@@ -119,7 +123,13 @@ print(' '.join(m for m in g.LACKING if m in sys.modules))") || fail "$PY cannot 
     dry_started=$SECONDS
     "$PY" -m bench.gpu_step --device cpu --tiny --out "$WORK/gpu_step.json" >"$WORK/gpu_step.log" 2>&1 \
         || fail "$(grep "^gpu_step:" "$WORK/gpu_step.log" | tail -n 1 | sed "s/^gpu_step: FAIL: //" || true) (log: $WORK/gpu_step.log)"
-    echo "gpu_smoke --check: OK (tiny dry run on the CPU in $((SECONDS - dry_started))s: $(grep '^gpu_step: OK' "$WORK/gpu_step.log" | cut -c14-); $wheels)"
+    STEP="launch dry run"
+    launch_started=$SECONDS
+    # The same launch on one gloo CPU process (FSDP2 through training/fsdp_hook.py, as on the GPU)
+    timeout "$LAUNCH_TIMEOUT" "$PY" -m bench.gpu_launch --work "$WORK/launch" --out "$WORK/gpu_launch.json" \
+        >"$WORK/gpu_launch.log" 2>&1 \
+        || fail "$(grep "^gpu_launch:" "$WORK/gpu_launch.log" | tail -n 1 | sed "s/^gpu_launch: FAIL: //" || true) (log: $WORK/gpu_launch.log)"
+    echo "gpu_smoke --check: OK (tiny dry run on the CPU in $((launch_started - dry_started))s: $(grep '^gpu_step: OK' "$WORK/gpu_step.log" | cut -c14-); launch dry run in $((SECONDS - launch_started))s: $(grep '^gpu_launch: OK' "$WORK/gpu_launch.log" | cut -c15-); $wheels)"
     exit 0
     ;;
 "") ;;
@@ -166,6 +176,16 @@ STEP="cuda"
 sys.exit(0 if torch.cuda.is_available() else 3)" >>"$LOG" 2>&1 \
     || fail "the venv cannot import the training stack or torch sees no CUDA device (see $LOG)"
 
+STEP="launch"
+launch_started=$SECONDS
+rc=0
+LAUNCH_JSON="$(dirname "$OUT_JSON")/gpu_launch.json"
+timeout "$LAUNCH_TIMEOUT" "$VPY" -m bench.gpu_launch --work "$WORK/launch" --out "$LAUNCH_JSON" >>"$LOG" 2>&1 || rc=$?
+[ "$rc" -ne 124 ] || fail "bench/gpu_launch.py ran past ${LAUNCH_TIMEOUT}s (see $LOG)"
+launched=$(grep '^gpu_launch:' "$LOG" | tail -n 1 || true)
+[ "$rc" -eq 0 ] || fail "${launched:+${launched#gpu_launch: FAIL: }}${launched:-bench/gpu_launch.py exited with $rc} (see $LOG)"
+launch_s=$((SECONDS - launch_started))
+
 STEP="grpo step"
 step_started=$SECONDS
 rc=0
@@ -173,4 +193,4 @@ timeout "$STEP_TIMEOUT" "$VPY" -m bench.gpu_step --out "$OUT_JSON" >>"$LOG" 2>&1
 [ "$rc" -ne 124 ] || fail "bench/gpu_step.py ran past ${STEP_TIMEOUT}s (see $LOG)"
 result=$(grep '^gpu_step:' "$LOG" | tail -n 1 || true)
 [ "$rc" -eq 0 ] || fail "${result:+${result#gpu_step: FAIL: }}${result:-bench/gpu_step.py exited with $rc} (see $LOG)"
-echo "gpu_smoke: PASS ${result#gpu_step: OK } step+build $((SECONDS - step_started))s total $((SECONDS - STARTED))s json=$OUT_JSON"
+echo "gpu_smoke: PASS ${result#gpu_step: OK } step+build $((SECONDS - step_started))s; launch ${launched#gpu_launch: OK } (${launch_s}s); total $((SECONDS - STARTED))s json=$OUT_JSON"

@@ -28,9 +28,11 @@ writes it as its `config` artifact, which every other task reads. On a cluster e
 pod and node status carry its executor input, so ~3.5 KB of inline YAML per task would make the Argo
 Workflow object several times the package's size.
 
-A package is kept under MAX_PACKAGE_BYTES (300 KiB): with KFP's driver pods and per-node status a
-run's Workflow object is several times its package, and Argo refuses one over 1 MiB (its
-maxWorkflowSize; etcd's 1.5 MiB cap comes later). A longer schedule is compiled as segments
+A package is kept under MAX_PACKAGE_BYTES (300 KiB): a run's Workflow object is its spec (about the
+package's size) and three status nodes a task (driver, executor, impl pod: ~24 KB a task), and Argo
+refuses one over 1 MiB (its maxWorkflowSize; etcd's 1.5 MiB cap comes later); it fits only with its
+node status compressed (~2.4 KB a task), about 1.9 x the package in all (estimates:
+bench/argo_status_size.py, docs/deploy.md). A longer schedule is compiled as segments
 (`pipeline.rounds_per_run`, `segments`): `build_pipeline(cfg, first, last)` builds rounds
 first..last (absolute round numbers, so seeds and task names are those of one long run); a segment
 after the first starts from the previous one's final policy and generator, given as the pipeline
@@ -65,9 +67,10 @@ from dynamicrubric.config import (
 )
 from dynamicrubric.models import staging_plan
 
-# The largest package `dynrubric compile` writes (bytes of YAML): a run's Argo Workflow object is
-# several times its package once KFP's drivers and node status are in it, and Argo refuses one over
-# 1 MiB.
+# The largest package `dynrubric compile` writes (bytes of YAML): a run's Argo Workflow object is its
+# spec and ~24 KB of node status a task, which Argo fits under its 1 MiB only compressed (~2.4 KB a
+# task); 300 KiB keeps the compressed estimate near 0.55 MiB, half the limit left for retries' nodes
+# and what the estimate leaves out (docs/deploy.md, "How many rounds a run holds").
 MAX_PACKAGE_BYTES = 300 * 1024
 RETRY_BACKOFF = {"backoff_duration": "60s", "backoff_factor": 2.0, "backoff_max_duration": "1800s"}
 # The pod label of tasks that run policy-generated code (config.STAGE_FACTS runs_code), which the
@@ -106,6 +109,12 @@ def pipeline_variant(cfg: Config) -> str:
     return policy_variant(cfg)
 
 
+def guard_action(cfg: Config) -> str:
+    """What the signal guard's alarm does in this run (guard.action); the verifiable baseline has no
+    evaluator to guard, and a disabled guard no alarm."""
+    return cfg.guard.action if cfg.guard.enabled and pipeline_variant(cfg) != "verifiable" else "warn"
+
+
 def default_run_name(cfg: Config) -> str:
     """Stable for a given config, so a rerun hits the cache and reuses its MLflow parent run."""
     digest = hashlib.sha256(cfg.to_yaml().encode()).hexdigest()[:10]
@@ -126,7 +135,8 @@ def task_count(cfg: Config, rounds: int | None = None) -> int:
     generator = 2 * shards + 1 if variant == "dynamic" else 0
     evaluate = 3 if split_evaluate(cfg) else 1
     rounds = cfg.pipeline.rounds if rounds is None else rounds
-    return 3 + rounds * (generator + audit + 1 + evaluate)
+    rollbacks = min(rounds, cfg.pipeline.rounds - 1) if guard_action(cfg) == "rollback" else 0
+    return 3 + rounds * (generator + audit + 1 + evaluate) + rollbacks
 
 
 def segments(cfg: Config) -> list[tuple[int, int]]:
@@ -276,8 +286,10 @@ def build_pipeline(cfg: Config, first: int = 1, last: int | None = None):
             "generator_ref": start_generator if first > 1 and start_generator else m.generator
         }
         conditions = contextlib.ExitStack()  # each round after an early-stop check runs inside its dsl.If
+        previous_units = {}  # the last round's evaluate units, for the guard's agreement change
         for t in range(first, last + 1):
             previous_generator = dict(generator_ckpt)  # G_{t-1}, for the audit's "before"
+            round_start = {"start_" + k: v for k, v in (*policy_ckpt.items(), *generator_ckpt.items())}
             if variant == "dynamic":
                 # ---- generator stage: G_t learns online on P_{t-1}'s candidate sets
                 with dsl.ParallelFor(items=list(range(shards)), parallelism=shards) as shard:
@@ -406,18 +418,37 @@ def build_pipeline(cfg: Config, first: int = 1, last: int | None = None):
                 phases["previous_policy_ref"] = previous["previous_policy_ref"]
             else:
                 phases = {"policy_ckpt": tp.outputs["policy"], **previous}
-            _configure(cfg, "evaluate")(
+            ev = _configure(cfg, "evaluate")(
                 c.evaluate(
                     **common,
                     round_idx=t,
                     verifier_ref=m.verifier,
+                    reference_generator_ref=m.generator,
                     **held_out,
                     **generator_ckpt,
                     **phases,
+                    **previous_units,
                 ),
                 f"r{t}-evaluate",
             )
+            previous_units = {"previous_units": ev.outputs["units"]}
             policy_ckpt = {"policy_ref": m.policy, "policy_ckpt": tp.outputs["policy"]}
+            action = guard_action(cfg)
+            if action == "rollback" and t < rounds:
+                # The next round starts from the last healthy round's checkpoints (the rollback task's
+                # reference folders name them); also after a segment's last round, for the next segment.
+                rb = _configure(cfg, "rollback")(
+                    c.rollback(**common, round_idx=t, guard=ev.outputs["guard"], **round_start),
+                    f"r{t}-rollback",
+                )
+                policy_ckpt = {"policy_ref": m.policy, "policy_ckpt": rb.outputs["policy"]}
+                if variant == "dynamic":
+                    generator_ckpt = {"generator_ref": m.generator, "generator_ckpt": rb.outputs["generator"]}
+            if action == "stop" and t < last:
+                # no later round runs once the round's guard has fired
+                conditions.enter_context(
+                    dsl.If(ev.outputs["Output"] > 0.5, name=f"guard-healthy-after-round-{t}")
+                )
             if cfg.pipeline.early_stop_tie_rate is not None and t < last and audit_tie_rate is not None:
                 # stop once the round's evaluator ties P_{t-1}'s probe samples this often
                 conditions.enter_context(

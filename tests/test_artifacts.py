@@ -107,9 +107,40 @@ SAMPLES: dict[str, list[dict]] = {
         {"prompt_id": "p0", "sample_idx": 0, "task": "humaneval", "score": 1.0},
         {"prompt_id": "p0", "sample_idx": 1, "task": "humaneval", "score": None},
     ],
+    "item_usefulness": [  # nulls: measures undefined for the item (no gold pairs, a score that does not vary)
+        {
+            "round": 1,
+            "prompt_id": "p0",
+            "rubric_idx": 0,
+            "item_idx": i,
+            "text": text,
+            "weight": 5,
+            "num_responses": 3,
+            "num_failed": 3 * i,  # item 1: every verdict failed
+            "pass_rate": 1 / 3 if i == 0 else None,
+            "splits": i == 0,
+            "variance_share": 1.0 if i == 0 else None,
+            "gold_pairs": 2 if i == 0 else 0,
+            "gold_agreement": 1.0 if i == 0 else None,
+            "recurrence": 1,
+            "useful": i == 0,
+        }
+        for i, text in enumerate(["correct", "cites a source"])
+    ],
     "units": [
         {"round": 1, "variant": "policy", "measure": "avg_at_k", "unit_id": "p1", "value": 0.25},
         {"round": 1, "variant": "dynamic", "measure": "pair_soft", "unit_id": "file0:a|0>1", "value": 0.5},
+    ],
+    "guard": [
+        {
+            "round": 2,
+            "healthy": False,
+            "alarms": "hacking",
+            "reasons": "the training score rose by +0.800 [+0.800, +0.800] while the gold fell by -1.000",
+            "action": "rollback",
+            "policy": "s3://runs/r2/policy",
+            "generator": "s3://runs/r2/generator",
+        }
     ],
 }
 

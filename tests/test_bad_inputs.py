@@ -440,10 +440,11 @@ def test_validate_rejects(kind, how, good, tmp_path, capsys):
 
 def test_error_messages_are_capped():
     assert cli.one_line("a\nb\t c") == "a b c"
-    long = cli.one_line("x" * 10_000)
-    kept, more = long.rsplit("... (", 1)
-    assert len(long) <= cli.MAX_ERROR_CHARS and kept == "x" * len(kept)
-    assert more == f"{10_000 - len(kept)} more chars)"
+    long = cli.one_line("x" * 10_000 + ": the cause")
+    head, more, tail = long.split(" ... ")
+    assert len(long) <= cli.MAX_ERROR_CHARS and head == "x" * len(head)
+    assert tail.endswith("x: the cause") and set(tail.removesuffix(": the cause")) == {"x"}
+    assert more == f"({10_011 - len(head) - len(tail)} more chars)"
 
 
 def test_artifacts_are_group_readable(tmp_path):
@@ -689,6 +690,17 @@ RUN_CASES = {
         {"pipeline": {"pipeline_root": "{tmp}/afile/runs"}},
         "error: pipeline.pipeline_root: {tmp}/afile/runs: Not a directory",
     ),
+    # launched, and 20 s later printed 45 lines ending "Inner task failed: 'start-tracking'" (#36 item 8)
+    # Path.resolve's RuntimeError, an internal error (#36 item 4)
+    "root-through-a-symlink-loop": (
+        {"pipeline": {"pipeline_root": "{tmp}/loop/runs"}},
+        "error: pipeline.pipeline_root: {tmp}/loop/runs: a symlink loop",
+    ),
+    "unsupported-tracking-scheme": (
+        {"pipeline": {"mlflow_tracking_uri": "foo://bar"}},
+        "error: pipeline.mlflow_tracking_uri: foo://bar: unsupported scheme 'foo'; use http(s)://, "
+        "sqlite:///, file:// or a database URI (postgresql://, mysql://, mssql://)",
+    ),
 }
 
 
@@ -698,6 +710,7 @@ def test_run_refuses_before_it_launches(case, tmp_path):
     import yaml
 
     (tmp_path / "afile").write_text("")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
     override, expected = RUN_CASES[case]
     fields = {"tmp": tmp_path, "port": _closed_port()}
     config = {
@@ -721,3 +734,629 @@ def test_run_refuses_before_it_launches(case, tmp_path):
     assert line == expected.format(**fields), line
     assert time.monotonic() - started < 60, "refused only after a long wait"
     assert "kfp" not in output.lower(), output[-2000:]
+    # a refusal writes nothing: an empty runs/ was created before the checks (#36 item 9)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "c.yaml", "loop"]
+
+
+# ---- no output removes what the stage did not write (#36 items 1-3)
+
+
+def _snapshot(root: Path) -> dict[str, bytes | str | None]:
+    """Every file (its bytes), symlink (its target) and folder (None) under `root`: what must be there
+    after a refusal."""
+    found: dict[str, bytes | str | None] = {}
+    for folder, dirs, files in os.walk(root):
+        for name in [*dirs, *files]:
+            p = Path(folder, name)
+            found[str(p.relative_to(root))] = (
+                os.readlink(p) if p.is_symlink() else None if p.is_dir() else p.read_bytes()
+            )
+    return found
+
+
+# Each folder output of each stage: (stage, its flag, a file output of the stage to put inside it).
+FOLDER_OUTPUTS = [
+    ("evaluate", "--out-plots", "--out-metrics"),
+    ("train-evaluator", "--out-generator", "--out-metrics"),
+    ("train-evaluator", "--out-steps", "--out-metrics"),
+    ("train-policy", "--out-policy", "--out-steps"),
+    ("train-policy", "--out-steps", "--out-metrics"),
+]
+FIRST_INPUT = {"evaluate": "prompts", "train-evaluator": "rollouts", "train-policy": "prompts"}
+
+
+def _folder_case(stage: str, flag: str, other: str, case: str, good: dict[str, str], tmp: Path) -> list[str]:
+    """argv of `stage` with its folder output `flag` pointed at (a) a user's folder, (b) the folder
+    holding one of its inputs, or (c) a folder another output (`other`) is inside."""
+    kind = FIRST_INPUT[stage]
+    data = tmp / "data"
+    data.mkdir()
+    inputs = {k: str(data / Path(v).name) for k, v in good.items() if k == kind}
+    for k, path in inputs.items():
+        Path(path).write_bytes(Path(good[k]).read_bytes())
+    argv = stage_argv(stage, good, tmp / "out", **inputs)
+    target = {"user-folder": tmp / "mine", "holds-an-input": data, "parent-of-an-output": tmp / "out" / "p"}[
+        case
+    ]
+    if case == "user-folder":
+        (target / "sub").mkdir(parents=True)
+        (target / "notes.txt").write_text("x\n")
+        (target / "sub" / "config.json").write_text("{}")
+    argv[argv.index(flag) + 1] = str(target)
+    if case == "parent-of-an-output":
+        argv[argv.index(other) + 1] = str(target / "inside")
+    return argv
+
+
+FOLDER_CASES = [
+    (stage, flag, other, case)
+    for stage, flag, other in FOLDER_OUTPUTS
+    for case in ("user-folder", "holds-an-input", "parent-of-an-output")
+]
+
+
+@pytest.mark.parametrize(
+    "stage,flag,other,case",
+    FOLDER_CASES,
+    ids=[f"{s}{f.removeprefix('--out')}-{c}" for s, f, _, c in FOLDER_CASES],
+)
+def test_a_folder_output_removes_nothing_it_did_not_write(stage, flag, other, case, good, tmp_path, capsys):
+    """Every folder output of every stage pointed at a folder of anything else: a folder output is
+    swapped in whole, so the user's files, the inputs or the other output went (exit 0). Refused before
+    any model loads, and every byte under the test's folder is as it was."""
+    argv = _folder_case(stage, flag, other, case, good, tmp_path)
+    before = _snapshot(tmp_path)
+    code, output = run_cli(argv, capsys)
+    line = assert_clean_failure(code, output, None)
+    target = argv[argv.index(flag) + 1]
+    expected = {
+        "user-folder": f"error: {target}: a folder that dynrubric did not write is there",
+        "holds-an-input": f"error: {target}: the folder output would remove the input {target}/",
+        "parent-of-an-output": f"error: {target}: the folder output would remove the output {target}/inside,",
+    }[case]
+    if case == "user-folder" and flag == "--out-steps":
+        expected = f"error: {target}: a folder that is not a training run's steps folder is there"
+    if case == "parent-of-an-output" and (stage, flag) == ("train-policy", "--out-policy"):
+        expected = f"error: {target}/inside: an output cannot be written inside the output {target}"  # order
+    assert line.startswith(expected), line
+    assert "Loading" not in output and "accelerate" not in output, output[-2000:]
+    assert _snapshot(tmp_path) == before
+
+
+def test_a_folder_output_may_replace_an_earlier_output_of_its_kind(tmp_path):
+    """What may be replaced, and what not: a folder this project published (its completion marker) for
+    the same kind of output, an empty folder, a training run's steps folder; a published folder of
+    another kind, or a marker that is not readable, is refused in one line."""
+    from dynamicrubric.plots import PLOT_NAMES
+    from dynamicrubric.stages.runner import preflight
+
+    def published(name: str, files: list[str]) -> str:
+        src = tmp_path / f"src-{name}"
+        src.mkdir()
+        for rel in files:
+            (src / rel).write_bytes(b"x")
+        store.upload_dir(src, str(tmp_path / name))
+        return str(tmp_path / name)
+
+    plots, model = published("plots", list(PLOT_NAMES)), published("model", ["config.json", "w.bin"])
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "steps" / "step-00001" / "rank-0").mkdir(parents=True)
+    (tmp_path / "steps" / "step-00001" / "rank-0" / "scores.parquet").write_bytes(b"x")
+    old = tmp_path / "old-model"  # a marker from before manifests: empty
+    old.mkdir()
+    (old / "config.json").write_text("{}")
+    (old / store.COMPLETE_MARKER).write_bytes(b"")
+    preflight(folders=[(plots, "plots"), (model, "model"), (str(old), "model")])
+    preflight(folders=[(str(tmp_path / "empty"), "plots"), (str(tmp_path / "steps"), "steps")])
+    with pytest.raises(ValueError, match=f"^{plots}: holds a dynrubric plots folder, not a model folder; "):
+        preflight(folders=[(plots, "model")])
+    with pytest.raises(ValueError, match=f"^{model}: holds a dynrubric model folder, not a plots folder; "):
+        preflight(folders=[(model, "plots")])
+    with pytest.raises(ValueError, match="is not a training run's steps folder"):
+        preflight(folders=[(plots, "steps")])
+    (Path(model) / store.COMPLETE_MARKER).write_text("{not json")
+    with pytest.raises(store.StoreError, match="unreadable completion marker"):
+        preflight(folders=[(model, "model")])
+
+
+def test_evaluate_twice_into_one_plots_folder(good, tmp_path, capsys):
+    """The second run replaces the first one's plots (a retried task): the refusals above must not
+    stop it."""
+    out = tmp_path / "out"
+    for _ in range(2):
+        code, output = run_cli(stage_argv("evaluate", good, out), capsys)
+        assert code == 0, output[-2000:]
+    assert store.is_complete(str(out / "plots"))
+
+
+@pytest.mark.parametrize("case", ["output-loop", "input-loop", "file-uri-with-a-host"])
+def test_a_path_that_names_no_place_here_is_refused(case, good, tmp_path, capsys):
+    """A symlink loop raised Path.resolve's RuntimeError (an internal error); file://host/p wrote /p
+    on this machine."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    out = tmp_path / "out"
+    if case == "output-loop":
+        argv, bad = stage_argv("evaluate", good, out), f"{loop}/plots"
+        argv[argv.index("--out-plots") + 1] = bad
+    elif case == "input-loop":
+        argv, bad = stage_argv("rollout", good, out, prompts=str(loop)), str(loop)
+    else:
+        bad = f"file://elsewhere{out}/rollouts.parquet"
+        argv = stage_argv("rollout", good, out)
+        argv[argv.index("--out") + 1] = bad
+    before = _snapshot(tmp_path)
+    code, output = run_cli(argv, capsys)
+    line = assert_clean_failure(code, output, out)
+    reason = "a file:// URI with a host (elsewhere); use file:///path" if "host" in case else "a symlink loop"
+    assert line == f"error: {bad}: {reason}", line
+    assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("stage", ["rollout", "aggregate"])
+def test_an_s3_uri_spelled_with_two_slashes_is_the_same_object(stage, good, s3_env, capsys):
+    """`s3://b//x/p` is the object `s3://b/x/p` to the store (it drops the key's leading `/`): the
+    same-path check took them for two, and the output replaced the input (or the other output)."""
+    prompts = f"s3://{s3_env}/x/p.parquet"
+    store.write_bytes(prompts, Path(good["prompts"]).read_bytes())
+    argv = stage_argv(stage, good, f"s3://{s3_env}/out", prompts=prompts)
+    if stage == "rollout":
+        first, second = prompts, f"s3://{s3_env}//x/p.parquet"
+        argv[argv.index("--out") + 1] = second
+    else:
+        first, second = f"s3://{s3_env}/out/s.parquet", f"s3://{s3_env}//out/s.parquet"
+        argv[argv.index("--out-scores") + 1], argv[argv.index("--out-rewards") + 1] = first, second
+    code, output = run_cli(argv, capsys)
+    line = assert_clean_failure(code, output, None)
+    what = "input" if stage == "rollout" else "output"
+    assert line == f"error: {second}: an output cannot be written where the {what} {first} is", line
+    assert store.list_files(f"s3://{s3_env}") == ["x/p.parquet"]
+    assert store.read_bytes(prompts) == Path(good["prompts"]).read_bytes()
+
+
+@pytest.mark.slow
+def test_a_finished_checkpoint_is_reused_only_for_the_same_work(good, tmp_path):
+    """train-policy into the complete checkpoint of another config (or other prompts) said "checkpoint
+    already complete; nothing to do" and exited 0 with the old run's result. The same work is still
+    reused; other work is refused in one line, the checkpoint untouched."""
+    config = tmp_path / "c.yaml"
+    config.write_text("train_policy: {max_steps: 1}\n")
+    out = tmp_path / "out"
+    argv = [*stage_argv("train-policy", good, out), "--config", str(config)]
+    code, output = run_cli_process(argv)
+    assert code == 0, output[-3000:]
+    done = _snapshot(out / "policy")
+    code, output = run_cli_process(argv)  # the same work: reused
+    assert code == 0 and "checkpoint already complete; nothing to do" in output, output[-3000:]
+    other = tmp_path / "other.yaml"
+    other.write_text("train_policy: {max_steps: 1, learning_rate: 2.0e-4}\n")
+    prompts = _write(tmp_path / "more.parquet", "prompts", [*PROMPTS, {**PROMPTS[0], "prompt_id": "p9"}])
+    for argv, why in [
+        ([*stage_argv("train-policy", good, out), "--config", str(other)], "(config "),
+        (
+            [*stage_argv("train-policy", good, out, prompts=prompts), "--config", str(config)],
+            "(other inputs)",
+        ),
+    ]:
+        (out / "metrics.parquet").unlink(missing_ok=True)
+        code, output = run_cli_process(argv)
+        line = assert_clean_failure(code, output, None)
+        assert line.startswith(
+            f"error: train-policy: {out / 'policy'} holds a finished checkpoint of other work "
+        ), line
+        assert why in line and "nothing to do" not in output, line
+        assert not (out / "metrics.parquet").exists()
+        assert _snapshot(out / "policy") == done
+
+
+# ---- #36 items 4-11: what was an uncaught error, silent, unbounded or left files
+
+
+def _tiny_copy(tmp_path: Path) -> Path:
+    """A copy of the built-in tiny-random model's folder, to break."""
+    import shutil
+
+    from dynamicrubric.models import prepare_model
+
+    folder = tmp_path / "model"
+    shutil.copytree(
+        prepare_model("tiny-random"), folder, ignore=shutil.ignore_patterns(store.COMPLETE_MARKER)
+    )
+    return folder
+
+
+@pytest.mark.parametrize(
+    "stage,case",
+    [
+        ("train-policy", "truncated-safetensors"),
+        ("train-policy", "empty-config"),
+        ("rollout", "truncated-safetensors"),
+    ],
+)
+def test_a_broken_model_folder_is_refused_before_training_launches(stage, case, good, tmp_path):
+    """A copy that stopped short: train-policy printed 2 tracebacks from its training processes and left
+    `.work/scratch`; a config.json of `{}` failed in transformers' tokenizer code."""
+    model = _tiny_copy(tmp_path)
+    if case == "truncated-safetensors":
+        weights = model / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        why = "model.safetensors is truncated ("
+    else:
+        (model / "config.json").write_text("{}")
+        why = "config.json names no model_type"
+    out = tmp_path / "out"
+    argv = stage_argv(stage, good, out)
+    if stage == "rollout":
+        argv += ["--policy", str(model)]
+    else:
+        argv[argv.index("--policy") + 1] = str(model)
+    before = _snapshot(tmp_path)
+    code, output = run_cli_process(argv)
+    line = assert_clean_failure(code, output, out)
+    assert line.startswith(f"error: model folder {str(model)!r}: {why}"), line
+    assert "accelerate" not in output, output[-2000:]
+    assert _snapshot(tmp_path) == before
+
+
+SEED_CASES = {
+    "flag-2^64": (["--seed", str(2**64)], None, "error: stage rollout: --seed: expected 0..4294967295, got "),
+    "config-2^70": ([], f"seed: {2**70}\n", "seed: Input should be less than or equal to 4294967295"),
+    "train-config-2^64": ([], f"train_policy: {{seed: {2**64}}}\n", "train_policy.seed: Input should be"),
+    "negative": (["--seed", "-1"], None, "error: stage rollout: --seed: expected 0..4294967295, got -1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SEED_CASES))
+def test_a_seed_numpy_cannot_take_is_refused_before_any_model_loads(case, good, tmp_path, capsys):
+    """`--seed 2^64` / `seed: 2^70` raised an OverflowError once the model had loaded."""
+    flags, config_text, expected = SEED_CASES[case]
+    out = tmp_path / "out"
+    argv = [*stage_argv("rollout", good, out), *flags]
+    if config_text:
+        (tmp_path / "c.yaml").write_text(config_text)
+        argv += ["--config", str(tmp_path / "c.yaml")]
+    code, output = run_cli(argv, capsys)
+    line = assert_clean_failure(code, output, out)
+    assert expected in line, line
+    assert "Loading" not in output
+
+
+def _prepare_data_refusal(source: Path, tmp_path: Path, capsys) -> str:
+    """prepare-data (in process) on a config whose one source is `source`: its one-line refusal, checked
+    to be clean (a failing exit, no traceback, one error line, no output left)."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"data:\n  sources: [{source}]\n")
+    out = tmp_path / "out"
+    code, output = run_cli([*stage_argv("prepare-data", {}, out), "--config", str(config)], capsys)
+    return assert_clean_failure(code, output, out)
+
+
+def test_a_source_nested_100000_deep_is_refused(tmp_path, capsys):
+    """json.loads raised a RecursionError (an internal error)."""
+    source = tmp_path / "deep.jsonl"
+    source.write_text('{"prompt": "q", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    line = _prepare_data_refusal(source, tmp_path, capsys)
+    assert line == f"error: {source}: line 1 holds a JSON value nested too deep to read", line
+
+
+def test_a_gzip_bomb_source_is_refused_as_it_inflates(tmp_path, capsys, monkeypatch):
+    """gzip.decompress inflated an 11 MB file to 11 GB, then a MemoryError. The limit (1 GiB) is lowered
+    to 1 MiB here, so a 64 MiB bomb shows the same refusal in a fraction of a second."""
+    import gzip
+
+    from dynamicrubric.tasks import sources
+
+    monkeypatch.setattr(sources, "MAX_SOURCE_BYTES", 1 << 20)
+    source = tmp_path / "bomb.jsonl.gz"
+    line = b'{"prompt": "' + b" " * 1000 + b'"}\n'
+    source.write_bytes(gzip.compress(line * (64 << 10), compresslevel=1))
+    line = _prepare_data_refusal(source, tmp_path, capsys)
+    assert line == f"error: {source}: inflates to more than 1 MiB, the most a prompt source may hold", line
+
+
+@pytest.mark.parametrize("case", ["rubrics-samples-0", "aggregate-round-minus-1"])
+def test_a_value_read_as_not_given_is_refused(case, good, tmp_path, capsys):
+    """`rubrics --samples 0` ran the config's samples (`samples or rc.samples`); `--round -1` wrote
+    round -1 into the artifacts."""
+    out = tmp_path / "out"
+    if case == "rubrics-samples-0":
+        argv, expected = (
+            [*stage_argv("rubrics", good, out), "--samples", "0"],
+            "--samples: expected 1..256, got 0",
+        )
+    else:
+        argv, expected = (
+            [*stage_argv("aggregate", good, out), "--round", "-1"],
+            "--round: expected 0 or more, got -1",
+        )
+    code, output = run_cli(argv, capsys)
+    line = assert_clean_failure(code, output, out)
+    assert line.endswith(expected), line
+    assert "Loading" not in output
+
+
+def test_a_config_key_given_twice_is_refused(good, tmp_path, capsys):
+    """PyYAML keeps the last of two equal keys: `k: 4 ... k: 6` ran with 6 and said nothing."""
+    config = tmp_path / "c.yaml"
+    config.write_text("rollout:\n  k: 4\n  temperature: 1.0\n  k: 6\n")
+    out = tmp_path / "out"
+    code, output = run_cli([*stage_argv("rollout", good, out), "--config", str(config)], capsys)
+    line = assert_clean_failure(code, output, out)
+    assert line == f"error: {config}: line 4: key 'k' repeats the one on line 2", line
+
+
+@pytest.mark.parametrize("where", ["input", "source"])
+def test_a_file_uri_with_a_host_is_refused_where_it_is_read(where, good, tmp_path, capsys):
+    """file://host/p read /p on this machine."""
+    bad = f"file://elsewhere{good['prompts']}"
+    out = tmp_path / "out"
+    if where == "input":
+        argv = stage_argv("rollout", good, out, prompts=bad)
+    else:
+        (tmp_path / "c.yaml").write_text(f"data:\n  sources: ['{bad}']\n")
+        argv = [*stage_argv("prepare-data", {}, out), "--config", str(tmp_path / "c.yaml")]
+    code, output = run_cli(argv, capsys)
+    line = assert_clean_failure(code, output, out)
+    assert line == f"error: {bad}: a file:// URI with a host (elsewhere); use file:///path", line
+
+
+@pytest.mark.parametrize(
+    "text,key",
+    [("rollout: {k: 1000000}\n", "rollout.k"), ("evaluate: {samples: 100000}\n", "evaluate.samples")],
+)
+def test_a_count_in_the_millions_is_refused(text, key, good, tmp_path, capsys):
+    """`rollout.k: 1000000` ran (a 2 h ETA on the tiny model)."""
+    config = tmp_path / "c.yaml"
+    config.write_text(text)
+    out = tmp_path / "out"
+    code, output = run_cli([*stage_argv("rollout", good, out), "--config", str(config)], capsys)
+    line = assert_clean_failure(code, output, out)
+    assert line.startswith(f"error: {config}: {key}: Input should be less than or equal to 256"), line
+
+
+def test_a_fifo_as_input_is_refused_without_blocking(good, tmp_path):
+    """Opening a FIFO blocks until a writer comes: the stage hung."""
+    fifo = tmp_path / "prompts.parquet"
+    os.mkfifo(fifo)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dynamicrubric.cli", *stage_argv("rollout", good, out, prompts=str(fifo))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=60,
+    )
+    line = assert_clean_failure(proc.returncode, proc.stdout, out)
+    assert line == f"error: {fifo}: a FIFO, not a regular file; give a file", line
+
+
+def _stop_midway(argv: list[str], tmp_path: Path, ready: str, sig: int, group: bool) -> tuple[int, str, list]:
+    """`dynrubric ARGV` in a session of its own with a TMPDIR of its own, sent `sig` (to its process, as
+    a pod's stop does, or to its whole group, as a terminal's Ctrl-C does) once a line containing
+    `ready` is out; returns its exit code, its whole output, and what was left in its TMPDIR."""
+    import signal
+    import threading
+    import uuid
+
+    tmpdir = tmp_path / "TMP"
+    tmpdir.mkdir()
+    mark = uuid.uuid4().hex
+    env = {**os.environ, "TMPDIR": str(tmpdir), "DYNRUBRIC_TEST_MARK": mark}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dynamicrubric.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    seen = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if ready in line:
+                seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert seen.wait(300), "".join(lines)[-3000:]
+        (os.killpg if group else os.kill)(proc.pid, sig)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(10)
+    left = []  # any process of the command's still running (the children run in sessions of their own)
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"DYNRUBRIC_TEST_MARK={mark}".encode() in environ.read_bytes():
+                left.append(environ.parent.name)
+        except OSError:
+            pass
+    # torch's compile cache (torchinductor_<user>) is a cache the training processes keep, not a temp file
+    temps = sorted(p.name for p in tmpdir.iterdir() if not p.name.startswith("torchinductor_"))
+    assert left == [], f"processes left running: {left}"
+    return code, "".join(lines), temps
+
+
+@pytest.mark.parametrize(
+    "stage,sig,group,ready",
+    [
+        ("rollout", "SIGTERM", False, "Loading weights"),
+        ("train-policy", "SIGTERM", False, "'loss'"),
+        ("train-policy", "SIGINT", True, "'loss'"),
+    ],
+)
+def test_a_stopped_stage_ends_in_one_line_and_leaves_nothing(stage, sig, group, ready, good, tmp_path):
+    """SIGTERM (a pod's stop) ended a stage at once and silently: its TMPDIR kept the training launch's
+    config.yaml and job.json, and the training processes ran on. A Ctrl-C (SIGINT to the terminal's
+    whole group) printed a traceback from each process."""
+    import signal
+
+    signum = getattr(signal, sig)
+    out = tmp_path / "out"
+    code, output, temps = _stop_midway(stage_argv(stage, good, out), tmp_path, ready, signum, group)
+    line = assert_clean_failure(code, output, None)
+    assert line == f"error: stopped by {sig}" and code == 128 + signum, output[-3000:]
+    assert temps == []
+    left = sorted(str(p.relative_to(out)) for p in out.rglob("*")) if out.exists() else []
+    assert not [p for p in left if not p.startswith(("policy.work", "steps"))], left  # resumable work only
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,group", [("SIGTERM", False), ("SIGINT", True)])
+def test_a_stopped_run_ends_in_one_line_and_leaves_nothing(sig, group, tmp_path):
+    """`run` stopped while its first tasks load their models: one line, no traceback from kfp.local or
+    its tasks, no kfp-workspace-* or pymp-* left in TMPDIR, no task left running."""
+    import signal
+
+    import yaml
+
+    signum = getattr(signal, sig)
+    config = tmp_path / "c.yaml"
+    pipeline = {"pipeline_root": str(tmp_path / "runs"), "mlflow_tracking_uri": f"sqlite:///{tmp_path}/m.db"}
+    config.write_text(yaml.safe_dump({"preset": "tiny", "pipeline": pipeline}))
+    code, output, temps = _stop_midway(
+        ["run", "--config", str(config)], tmp_path, "Loading weights", signum, group
+    )
+    line = assert_clean_failure(code, output, None)
+    assert line == f"error: stopped by {sig}" and code == 128 + signum, output[-3000:]
+    assert temps == []
+
+
+@pytest.mark.parametrize("case", ["unknown-run-id", "missing-folders"])
+def test_a_refused_rerun_writes_no_tracking_store(case, tmp_path, capsys):
+    """`--from-run` with an unknown id left an empty mlflow.db; a --tracking-uri whose folders are
+    missing got them created. A rerun reads a store that exists: any other is refused, writing nothing."""
+    db = tmp_path / "mlflow.db" if case == "unknown-run-id" else tmp_path / "no" / "such" / "mlflow.db"
+    out = tmp_path / "out"
+    argv = [
+        "stage",
+        "rollout",
+        "--from-run",
+        "0" * 32,
+        "--tracking-uri",
+        f"sqlite:///{db}",
+        "--out",
+        str(out),
+    ]
+    code, output = run_cli(argv, capsys)
+    line = assert_clean_failure(code, output, out)
+    problem = (
+        "no such database file"
+        if case == "unknown-run-id"
+        else f"the database's folder {db.parent} does not exist"
+    )
+    assert line == f"error: --tracking-uri sqlite:///{db}: {problem}", line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("stage", ["rollout", "evaluate"])
+def test_an_output_name_near_name_max_is_written(stage, good, tmp_path, capsys):
+    """A 250-character name is legal, but the store's temp name beside it (".NAME.XXXXXXXX.tmp") was
+    not: the stage computed everything, then failed with "File name too long"."""
+    out = tmp_path / "out"
+    argv = stage_argv(stage, good, out)
+    flag = "--out" if stage == "rollout" else "--out-plots"
+    target = out / ("r" * 242 + ".parquet" if stage == "rollout" else "p" * 250)
+    argv[argv.index(flag) + 1] = str(target)
+    code, output = run_cli(argv, capsys)
+    assert code == 0, output[-2000:]
+    assert target.is_file() if stage == "rollout" else store.is_complete(str(target))
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # no temp left
+
+
+def test_a_long_path_does_not_push_the_cause_off_the_line(good, tmp_path, capsys):
+    """The 300-character cap kept the start of the line: a long path filled it, and what was wrong
+    with it was cut off."""
+    missing = tmp_path / ("d" * 200) / ("m" * 200 + ".parquet")
+    out = tmp_path / "out"
+    code, output = run_cli(stage_argv("rollout", good, out, prompts=str(missing)), capsys)
+    line = assert_clean_failure(code, output, out)
+    assert line.startswith(f"error: {str(missing)[:100]}") and line.endswith("m.parquet: no such file"), line
+
+
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_a_source_with_no_rows_of_a_split_is_named(split, tmp_path, capsys):
+    """Reported against the temp file it was written to: `TMP/dynrubric-outputs-*/1-eval.parquet:
+    'prompts' artifact is empty`."""
+    other = "eval" if split == "train" else "train"
+    source = tmp_path / "src.jsonl"
+    source.write_text(
+        "".join(f'{{"prompt": "q{i}?", "reference": "1", "split": "{other}"}}\n' for i in range(3))
+    )
+    line = _prepare_data_refusal(source, tmp_path, capsys)
+    assert line.startswith(f"error: {source}: no {split} prompts "), line
+
+
+def test_evaluate_samples_of_a_larger_k_are_named(good, tmp_path, capsys):
+    """Samples drawn with evaluate.samples 3, evaluated with the tiny preset's 1: every sample past the
+    first was taken for the previous policy's, and the stage failed on a "duplicate key" in a temp file."""
+    samples = _write(
+        tmp_path / "samples.parquet",
+        "rollouts",
+        [{**r, "sample_idx": s} for r in ROLLOUTS[:1] for s in range(4)],
+    )
+    outcomes = _write(
+        tmp_path / "outcomes.parquet",
+        "outcomes",
+        [{"prompt_id": "p0", "sample_idx": s, "task": "basic_arithmetic", "score": 1.0} for s in range(3)],
+    )
+    out = tmp_path / "out"
+    argv = stage_argv("evaluate", good, out)
+    argv = [
+        *argv[: argv.index("--policy")],
+        *argv[argv.index("--policy") + 2 :],
+        "--samples",
+        samples,
+        "--outcomes",
+        outcomes,
+    ]
+    code, output = run_cli(argv, capsys)
+    line = assert_clean_failure(code, output, out)
+    assert line.startswith(f"error: {samples}: sample_idx goes up to 3, but evaluate.samples is 1 "), line
+
+
+@pytest.mark.parametrize("stage", ["rollout", "rubrics", "judge"])
+def test_a_prompt_over_the_context_is_named_by_its_id(stage, good, tmp_path, capsys):
+    """The engines' context errors said `prompt 0` (its place in the engine's list), not its id."""
+    rows = [dict(r) for r in (PROMPTS if stage == "rollout" else ROLLOUTS)]
+    for row in rows:
+        if row["prompt_id"] == "p1":
+            row["prompt"] = "1 + " * (1 << 12)  # 16 KB: over the tiny model's 2048 tokens
+    kind = "prompts" if stage == "rollout" else "rollouts"
+    bad = _write(tmp_path / "long.parquet", kind, rows)
+    out = tmp_path / "out"
+    code, output = run_cli(stage_argv(stage, good, out, **{kind: bad}), capsys)
+    line = assert_clean_failure(code, output, out)
+    assert "prompt 'p1' has " in line and "exceeds the context length 2048" in line, line
+
+
+@pytest.mark.slow
+def test_a_second_training_into_one_output_is_refused_while_the_first_runs(good, tmp_path):
+    """Two train-policy runs into one output: the first to finish removed the work folder under the
+    other (FileNotFoundError, 3 tracebacks). The second is refused in one line; the first finishes."""
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "dynamicrubric.cli", *stage_argv("train-policy", good, out)]
+    first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / ".policy.lock").exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (out / ".policy.lock").exists(), "the first run never took its output"
+        code, output = run_cli_process(stage_argv("train-policy", good, out))
+        assert first.poll() is None, "the first run ended before the second was refused: no overlap"
+    finally:
+        first_output = first.communicate(timeout=600)[0]
+    line = assert_clean_failure(code, output, None)
+    assert (
+        line
+        == f"error: {out / 'policy'}: another train-policy is writing this output now; wait for it to end, or write elsewhere"
+    ), line
+    assert "accelerate" not in output
+    assert first.returncode == 0, first_output[-3000:]
+    assert store.is_complete(str(out / "policy")) and not (out / ".policy.lock").exists()

@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from dynamicrubric.config import PRESETS, Config, ConfigError, config_from_yaml, load_config
+from dynamicrubric.config import GIB, PRESETS, Config, ConfigError, config_from_yaml, disk_plan, load_config
+from dynamicrubric.config_sections import quantity_bytes
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -293,3 +294,83 @@ def test_prompt_counts_are_bounded(tmp_path):
     path.write_text("data:\n  num_prompts: 100000000\n")
     with pytest.raises(ConfigError, match="data.num_prompts: Input should be less than or equal to 100000"):
         load_config(path)
+
+
+def test_paper_preset_disk_plan_fits_its_model_cache():
+    # Qwen3-8B, 8.2e9 params: staged bf16 15.27 GiB a model; a trainer checkpoint 8.2e9 x 12 B = 91.64 GiB
+    cfg = load_config(preset="paper")
+    policy, evaluator = disk_plan(cfg, "train_policy"), disk_plan(cfg, "train_evaluator")
+    assert list(policy.staged) == ["policy", "generator", "verifier"] and list(evaluator.staged) == [
+        "generator",
+        "verifier",
+    ]
+    assert (
+        round(policy.checkpoint_gib, 2) == 91.64
+        and policy.copies == 2
+        and round(policy.export_gib, 2) == 15.27
+    )
+    assert round(policy.need_gib, 1) == 268.8 and round(evaluator.need_gib, 1) == 252.0
+    assert policy.need_gib < 300 == quantity_bytes(cfg.pipeline.model_cache_size) / GIB
+
+
+def test_a_model_cache_too_small_for_the_trainer_checkpoints_is_refused_with_the_size_needed():
+    with pytest.raises(ConfigError) as err:
+        load_config(preset="paper", overrides={"pipeline": {"model_cache_size": "100Gi"}})
+    message = str(err.value)
+    assert message.count("\n") == 0 and "(got" not in message
+    assert (
+        "the disk plan does not fit: train_policy: its pod's /model-cache needs 268.8 GiB > "
+        "pipeline.model_cache_size 100Gi (100.0 GiB): staged policy, generator, verifier 45.8 GiB (2 B/param) "
+        "+ 2 trainer checkpoints (fp32 weights + Adam, 12 B/trained param) 2 x 91.6 GiB + the export 15.3 GiB "
+        "+ 10% margin; set model_cache_size to 269Gi or more"
+    ) in message
+    assert "train_evaluator: its pod's /model-cache needs 252.0 GiB" in message
+    with pytest.raises(
+        ConfigError, match=r"pipeline.model_cache_size: Value error, '100 GB' is not a Kubernetes"
+    ):
+        load_config(preset="paper", overrides={"pipeline": {"model_cache_size": "100 GB"}})
+
+
+def test_lora_checkpoints_need_far_less_disk():
+    lora = {"lora_rank": 16}
+    cfg = load_config(
+        preset="paper",
+        overrides={"train_policy": lora, "train_evaluator": lora, "pipeline": {"model_cache_size": "100Gi"}},
+    )
+    plan = disk_plan(cfg, "train_policy")
+    # at most 2 x 16 / 1,024 of the parameters train: 8.2e9 x 3.125% x 12 B = 2.86 GiB a checkpoint
+    assert round(plan.checkpoint_gib, 2) == 2.86 and plan.need_gib < 75
+    assert disk_plan(load_config(preset="paper"), "train_policy").checkpoint_gib / plan.checkpoint_gib == 32
+
+
+def test_two_nodes_need_each_node_its_share_of_the_checkpoints():
+    # a node holds its ranks' DCP shards, 1/2 of a checkpoint; after a resume a second node keeps the first
+    # node's part beside its own, and the next save: 3 halves. The staged models and the export are whole.
+    nodes = {"world_size": 12, "reward_gpus": 4, "num_nodes": 2}
+    over = {"train_policy": nodes, "train_evaluator": nodes, "pipeline": {"model_cache_size": "230Gi"}}
+    cfg = load_config(preset="paper", overrides=over)
+    plan = disk_plan(cfg, "train_policy")
+    assert round(plan.checkpoint_gib, 2) == 45.82 and plan.copies == 3 and plan.nodes == 2
+    assert round(sum(plan.staged.values()), 2) == 45.82 and round(plan.export_gib, 2) == 15.27
+    assert round(plan.need_gib, 1) == 218.4  # (45.82 + 3 x 45.82 + 15.27) x 1.1
+    with pytest.raises(ConfigError, match=r"train_policy: its pod's /model-cache needs 268.8 GiB > .* 230Gi"):
+        load_config(preset="paper", overrides={"pipeline": {"model_cache_size": "230Gi"}})
+    over["pipeline"]["model_cache_size"] = "200Gi"
+    with pytest.raises(ConfigError, match=r"each of its 2 nodes' /model-cache needs 218.4 GiB > .* 200Gi"):
+        load_config(preset="paper", overrides=over)
+
+
+def test_guard_sets_the_generator_cannot_label_are_refused() -> None:
+    """The generator labels a set's responses A..Z: the probe holds 2k, a canary set k plus canaries."""
+    load_config(preset="tiny", overrides={"evaluate": {"samples": 13}})  # 26 in the probe: the limit
+    with pytest.raises(ConfigError, match=r"evaluate.samples is 14: .* at most 26"):
+        load_config(preset="tiny", overrides={"evaluate": {"samples": 14}})
+    kinds = ["padded", "master_key", "format_only", "empty", "restated"]
+    load_config(preset="tiny", overrides={"evaluate": {"samples": 13}, "guard": {"canary_kinds": kinds * 2}})
+    with pytest.raises(ConfigError, match=r"evaluate.samples 13 plus 15 canaries"):
+        load_config(
+            preset="tiny", overrides={"evaluate": {"samples": 13}, "guard": {"canary_kinds": kinds * 3}}
+        )
+    # no canaries, or a baseline whose generator does not read the responses: no limit from them
+    load_config(preset="tiny", overrides={"evaluate": {"samples": 12}, "guard": {"canary_sets": 0}})
+    load_config(preset="tiny", overrides={"evaluate": {"samples": 20}, "judge": {"variant": "pointwise"}})

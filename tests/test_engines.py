@@ -83,6 +83,17 @@ def test_samples_do_not_depend_on_batch_size(engine: HFEngine, prompts: list[str
     assert alone[0] == results[0][0]
 
 
+def test_a_part_of_a_batch_samples_as_it_would_in_the_whole(engine: HFEngine, prompts: list[str]) -> None:
+    """A training step split over nodes generates each node's groups apart: with their places in the
+    whole batch (`prompt_indices`) they get the samples the whole batch's call gives them."""
+    whole = engine.generate(prompts, n=2, max_new_tokens=8, seed=3)
+    part = engine.generate([prompts[2], prompts[0]], n=2, max_new_tokens=8, seed=3, prompt_indices=[2, 0])
+    assert part == [whole[2], whole[0]]
+    assert engine.generate(prompts[2:], n=2, max_new_tokens=8, seed=3) != [whole[2]]  # place 0: other samples
+    with pytest.raises(EngineError, match="2 prompt_indices for 1 prompts"):
+        engine.generate(prompts[:1], n=1, max_new_tokens=2, prompt_indices=[0, 1])
+
+
 def test_greedy_matches_a_manual_loop_without_cache(engine: HFEngine, prompts: list[str]) -> None:
     gens = engine.generate(prompts, n=1, temperature=0.0, max_new_tokens=6)
     for prompt, gen in zip(prompts, gens, strict=True):

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynamicrubric import store, tasks
-from dynamicrubric.artifacts import read_artifact, write_artifact
+from dynamicrubric.artifacts import read_artifact, read_frame, write_artifact
 from dynamicrubric.config import load_config
-from dynamicrubric.evaluate import _accuracy_by_origin, run_evaluate
+from dynamicrubric.evaluate import run_evaluate
 from dynamicrubric.evaluation_metrics import (
     evaluator_metrics,
     listwise_accuracy,
@@ -28,7 +28,7 @@ from dynamicrubric.evaluation_metrics import (
     uniformity_rate,
     win_rate,
 )
-from dynamicrubric.labelled import load_labelled, outcome_lists
+from dynamicrubric.labelled import accuracy_by_origin, load_labelled, outcome_lists
 from dynamicrubric.plots import PLOT_NAMES, write_plots
 
 D2, D3 = 1 / math.log2(3), 1 / math.log2(4)  # discounts of positions 2 and 3 (position 1: 1.0)
@@ -241,11 +241,11 @@ def test_accuracy_by_origin_splits_files_from_outcomes():
             "score": [0.9, 0.1, 0.5, 0.5, 0.0, 1.0],  # right, tie, wrong
         }
     )
-    assert _accuracy_by_origin(lists) == {
+    assert accuracy_by_origin(lists) == {
         "pairwise_accuracy_labelled": 0.75,
         "pairwise_accuracy_outcomes": 0.0,
     }
-    assert math.isnan(_accuracy_by_origin(lists.iloc[:4])["pairwise_accuracy_outcomes"])
+    assert math.isnan(accuracy_by_origin(lists.iloc[:4])["pairwise_accuracy_outcomes"])
 
 
 def test_load_labelled_detects_formats(tmp_path):
@@ -295,6 +295,7 @@ def test_run_evaluate_end_to_end(tmp_path):
     out = str(tmp_path / "metrics.parquet")
     plots = tmp_path / "plots"
     units_uri = str(tmp_path / "units.parquet")
+    guard_uri, items_uri = str(tmp_path / "guard.parquet"), str(tmp_path / "items.parquet")
     result = run_evaluate(
         _eval_prompts(tmp_path),
         out,
@@ -307,10 +308,17 @@ def test_run_evaluate_end_to_end(tmp_path):
         labelled_uris=labelled,
         round_idx=1,
         out_units_uri=units_uri,
+        out_guard_uri=guard_uri,
+        out_items_uri=items_uri,
     )
     metrics = read_artifact(out, "metrics").to_pandas()
     assert set(metrics["stage"]) == {"evaluate"} and set(metrics["round"]) == {1}
-    assert set(metrics["variant"]) == {"policy", "dynamic", "static", "pointwise"}
+    assert set(metrics["variant"]) == {"policy", "dynamic", "static", "pointwise", "guard", "items"}
+    (verdict,) = read_frame(guard_uri, "guard").to_dict("records")
+    assert verdict["round"] == 1 and verdict["healthy"] == bool(result["guard/healthy"])
+    assert verdict["policy"] == verdict["generator"] == "tiny-random"
+    items = read_frame(items_uri, "item_usefulness")
+    assert result["items/items"] == len(items) and set(items["round"]) <= {1}
     assert result == {
         f"{v}/{n}": x for v, n, x in metrics[["variant", "name", "value"]].itertuples(index=False)
     }
@@ -339,6 +347,14 @@ def test_run_evaluate_end_to_end(tmp_path):
     assert mean["policy", "avg_at_k"] == pytest.approx(result["policy/accuracy"])
     assert count["policy", "avg_at_k"] == 3
     assert mean["policy", "win"] == result["policy/win_rate"] and count["policy", "win"] == 3
+    # The guard's numbers are the means of its units too; the same model on both sides changes nothing.
+    for name in ("train", "gold"):
+        assert mean["guard", f"{name}_current"] == pytest.approx(result[f"guard/{name}_score"])
+        assert mean["guard", f"{name}_previous"] == pytest.approx(result[f"guard/{name}_score_previous"])
+        assert result[f"guard/{name}_delta"] == 0.0
+    assert mean["guard", "canary"] == pytest.approx(result["guard/canary_win_rate"])
+    assert count["guard", "canary"] == result["guard/canaries"] > 0
+    assert result["guard/healthy"] == 1.0 - result["guard/alarm"]
     configured = "pair_soft" if cfg.aggregate.soft else "pair_hard"
     for variant in ["dynamic", "static", "pointwise"]:
         assert mean[variant, configured] == pytest.approx(result[f"{variant}/pairwise_accuracy"])

@@ -21,17 +21,26 @@ SCRIPT = ROOT / "bench" / "gpu_smoke.sh"
 def _run(*args: str, **env: str) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PYTHON": sys.executable, **env}
     return subprocess.run(
-        ["bash", str(SCRIPT), *args], capture_output=True, text=True, env=full_env, timeout=300, cwd=ROOT
+        ["bash", str(SCRIPT), *args], capture_output=True, text=True, env=full_env, timeout=600, cwd=ROOT
     )
 
 
-def test_check_runs_one_grpo_step_of_the_tiny_shape_on_the_cpu(tmp_path):
+@pytest.mark.slow  # the launch dry run is two training launches: about 90 s on 2 busy cores
+def test_check_runs_one_grpo_step_of_the_tiny_shape_and_the_launch_on_the_cpu(tmp_path):
     # no wheel folder: --check must not need one (it says so in its line)
     done = _run("--check", GPU_SMOKE_WORK=str(tmp_path), GPU_SMOKE_WHEELS=str(tmp_path / "none"))
     assert done.returncode == 0, done.stdout + done.stderr
     (line,) = done.stdout.splitlines()
     assert line.startswith("gpu_smoke --check: OK (tiny dry run on the CPU in ")
     assert "tiny: 139,648 params" in line and f"no {tmp_path / 'none'} yet" in line
+    # the real launch (bench/gpu_launch.py) on one gloo CPU process: FSDP2, a DCP checkpoint, a resume
+    assert "launch dry run in " in line and "FSDP2 full finetune on 1 cpu rank via accelerate launch" in line
+    launch = json.loads((tmp_path / "gpu_launch.json").read_text())
+    assert launch["ok"] and launch["problems"] == [], launch["problems"]
+    assert "--config_file" in launch["command"] and "--cpu" not in launch["command"]
+    assert "pytorch_model_fsdp_0/__0_0.distcp" in launch["checkpoint_files"]
+    assert launch["reference_sum"] == pytest.approx(launch["starting_sum"], rel=1e-9)
+    assert abs(launch["kl"]["1"]) < 1e-6 and sorted(launch["kl"]) == ["1", "2"]
 
     result = json.loads((tmp_path / "gpu_step.json").read_text())
     assert result["ok"] and result["problems"] == []

@@ -286,6 +286,32 @@ def test_constraints_satisfy_requirements() -> None:
     )
 
 
+def gpu_shared_pins() -> dict[str, str]:
+    """The GPU image's pins of the packages images/gpu-shared.txt names (what `make setup` installs)."""
+    names = [n.strip() for n in (IMAGES / "gpu-shared.txt").read_text().splitlines()]
+    gpu_pins = read_pins(IMAGES / "gpu-constraints.txt")
+    return {
+        canonicalize_name(n): gpu_pins[canonicalize_name(n)] for n in names if n and not n.startswith("#")
+    }
+
+
+def test_venv_runs_the_gpu_images_versions() -> None:
+    """The tests exercise the training path with the library versions the GPU image runs: a test run on
+    other versions (a venv made without `make setup`, or a constraints file that moved) fails here."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    pins = gpu_shared_pins()
+    assert {"torch", "transformers", "accelerate", "trl", "peft", "datasets"} <= set(pins)
+    drift = {
+        name: f"venv {version(name)}, GPU image {pin}"
+        for name, pin in pins.items()
+        if Version(version(name)).public != Version(pin).public  # torch's +cpu is a local label
+    }
+    assert not drift, f"the venv drifted from images/gpu-constraints.txt (run `make setup`): {drift}"
+
+
 def test_version_build_args_match_pins() -> None:
     project = pyproject_dependencies()
     gpu_pins = read_pins(IMAGES / "gpu-constraints.txt")

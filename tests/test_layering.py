@@ -23,6 +23,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "prompts",
         "constrained",
         "task_processes",
+        "stopping",
         "_sandbox",
     ),
     "io": ("artifacts", "tracking", "models"),
@@ -33,15 +34,19 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "judge",
         "aggregate_codes",
         "aggregate",
+        "guard",
         "tasks",
         "evaluation_metrics",
+        "item_usefulness",
         "labelled",
         "plots",
+        "probe",
+        "traced_sets",
         "evaluate",
     ),
     "training": ("training",),
     "stages": ("stages",),
-    "entry points": ("cli", "launch", "task_monitor", "round_table", "components", "pipelines"),
+    "entry points": ("cli", "launch", "task_monitor", "round_table", "run_page", "components", "pipelines"),
 }
 LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 SOURCES = {

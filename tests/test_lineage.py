@@ -14,8 +14,14 @@ from pathlib import Path
 import pytest
 
 from dynamicrubric import tracking
+from dynamicrubric.stages.declarations import STAGES
 
-BOOKKEEPING = {"executor_output.json", "task.log", "index.json"}
+BOOKKEEPING = {
+    "executor_output.json",
+    "task.log",
+    "index.json",
+    "report.html",
+}  # report.html: dynrubric run's page
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +150,49 @@ def test_each_checkpoint_carries_only_its_own_role_metrics(tiny_run, walked):
         assert all(k.startswith(prefix) for k in keys), f"{model.name}: {sorted(keys)}"
 
 
+def test_every_round_has_its_guard_verdict_items_and_metrics(tiny_run, walked, monkeypatch):
+    """The signal guard's outputs of each round's evaluate: the guard and item_usefulness artifacts
+    (validated on read), its numbers as MLflow metrics, its verdict as the run's tag, and the round
+    table's guard columns."""
+    from dynamicrubric.artifacts import read_frame
+    from dynamicrubric.round_table import round_table
+
+    client, runs = walked
+    monkeypatch.chdir(tiny_run["workdir"])  # the tiny preset's sqlite:///mlflow.db is relative
+    (parent,) = client.search_runs(
+        [runs[0].info.experiment_id], filter_string=f"tags.`{tracking.STAGE_TAG}` = 'pipeline'"
+    )
+    rounds = tiny_run["cfg"].pipeline.rounds
+    evaluate = {
+        int(r.data.tags[tracking.ROUND_TAG]): r for r in runs if r.data.tags[tracking.STAGE_TAG] == "evaluate"
+    }
+    assert sorted(evaluate) == list(range(1, rounds + 1))
+    table = {row["round"]: row for row in round_table(tiny_run["cfg"], parent.info.run_id)}
+    for t, run in evaluate.items():
+        (task,) = [x for x in tiny_run["index"]["tasks"] if x["stage"] == "evaluate" and x["round"] == t]
+        (verdict,) = read_frame(task["outputs"]["guard"][0], "guard").to_dict("records")
+        items = read_frame(task["outputs"]["items"][0], "item_usefulness")
+        assert verdict["round"] == t and set(items["round"]) <= {t}
+        metrics = run.data.metrics
+        assert metrics["guard/healthy"] == float(verdict["healthy"]) == 1 - metrics["guard/alarm"]
+        for name in (
+            "gold_score",
+            "gold_delta",
+            "train_score",
+            "train_delta",
+            "canary_win_rate",
+            "order_abs_delta",
+        ):
+            assert f"guard/{name}" in metrics, (t, name)
+        assert metrics["items/items"] == len(items)
+        tag = run.data.tags["guard.alarm"]
+        assert tag == "quiet" if verdict["healthy"] else tag.startswith(f"fired ({verdict['alarms']})")
+        row = table[t]
+        assert row["alarm"] == (verdict["alarms"] or "quiet") and row["canary"].startswith(
+            f"{metrics['guard/canary_win_rate']:.3f} (n={int(metrics['guard/canaries'])})"
+        )
+
+
 def test_a_stage_runs_span_is_its_tasks_time(tiny_run, walked):
     """A stage run starts when its task's process starts, and `dynrubric run` moves its end to the
     process's exit, so the UI's duration is the task's time on its `done` line (issue 24: within 10%)."""
@@ -161,6 +210,43 @@ def test_a_stage_runs_span_is_its_tasks_time(tiny_run, walked):
         )
         checked += 1
     assert checked >= len(tiny_run["index"]["tasks"]) - 2
+
+
+def test_the_parent_and_round_runs_span_their_tasks(tiny_run, walked, monkeypatch):
+    """The parent run spans the pipeline (start-tracking's start to the last task's end), each round
+    run its round (its first stage run's start to its last one's end), so the UI's durations read
+    right; and a stage run's Source is the command that reruns it, not KFP's executor script."""
+    client, runs = walked
+    cfg = tiny_run["cfg"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tiny_run["tracking_uri"])  # the config's is relative
+    (parent,) = client.search_runs(
+        [runs[0].info.experiment_id], filter_string=f"tags.`{tracking.STAGE_TAG}` = 'pipeline'"
+    )
+    by_round = tracking.stage_runs_by_round(cfg, parent.info.run_id)
+    assert sorted(by_round) == list(range(cfg.pipeline.rounds + 1))
+    rounds = {
+        int(r.data.tags[tracking.ROUND_TAG]): r
+        for r in client.search_runs(
+            [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+        )
+        if tracking.STAGE_TAG not in r.data.tags
+    }
+    assert sorted(rounds) == list(range(1, cfg.pipeline.rounds + 1))
+    every = [s for stages in by_round.values() for s in stages]
+    assert parent.info.start_time <= min(s.info.start_time for s in every)
+    assert parent.info.end_time == max(s.info.end_time for s in every)
+    for t, run in rounds.items():
+        stages = by_round[t]
+        assert run.info.start_time == min(s.info.start_time for s in stages), f"round {t}"
+        assert run.info.end_time == max(s.info.end_time for s in stages), f"round {t}"
+    for run in every:
+        rerun = f"dynrubric stage {STAGES[run.data.params['stage']].command} --from-run {run.info.run_id}"
+        assert run.data.tags["mlflow.source.name"] == rerun
+        assert rerun.removeprefix("dynrubric ") in run.data.tags["mlflow.note.content"]
+    # the tasks' own times: the whole run took minutes, each round tens of seconds
+    assert (parent.info.end_time - parent.info.start_time) / 1000 >= sum(
+        t["seconds"] for t in tiny_run["index"]["tasks"] if t["component"] == "prepare_data"
+    )
 
 
 def test_a_killed_attempts_run_is_marked_failed(tmp_path, monkeypatch):
@@ -207,3 +293,56 @@ def test_pod_paths_map_to_object_store_uris(seen, expected):
 def test_local_paths_become_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert tracking.artifact_uri("a/b") == str(tmp_path / "a" / "b")
+
+
+def test_parallel_first_tasks_leave_one_round_run_from_the_earliest_start(tmp_path, monkeypatch):
+    """Two first tasks of a round that each created its round run (they looked at the same time): the
+    next look keeps the one that started earliest, moves the other's stage runs under it, deletes
+    it, and the kept run ends with the last stage run."""
+    from dynamicrubric.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(
+        preset="tiny", overrides={"pipeline": {"mlflow_tracking_uri": f"sqlite:///{tmp_path}/m.db"}}
+    )
+    parent_id = tracking.start_pipeline_run(cfg, "run-p", rounds=1)
+    client = tracking.mlflow_client(cfg)
+    experiment = client.get_run(parent_id).info.experiment_id
+    assert tracking._round_run(client, experiment, parent_id, 1, start_ms=2_000_000)
+    # a task that started earlier than the round run it finds makes one of its own, which is kept
+    early = tracking._round_run(client, experiment, parent_id, 1, start_ms=1_000_000)
+    # two tasks that looked at once (neither saw the other's round run): the later one's has a stage
+    tags = {tracking.ROUND_TAG: "1", "mlflow.parentRunId": parent_id}
+    late = client.create_run(experiment, start_time=1_500_000, tags=tags).info.run_id
+    client.set_terminated(late, end_time=1_500_000)
+    stage = client.create_run(experiment, start_time=2_000_000, tags={"mlflow.parentRunId": late})
+    client.set_terminated(stage.info.run_id, end_time=3_000_000)
+    assert tracking._round_run(client, experiment, parent_id, 1, start_ms=2_500_000) == early
+    assert client.get_run(stage.info.run_id).data.tags["mlflow.parentRunId"] == early
+    assert client.get_run(late).info.lifecycle_stage == "deleted"
+    kept = client.get_run(early).info
+    assert (kept.start_time, kept.end_time) == (1_000_000, 3_000_000)
+    # a task still nested under the merged-away run when it ends (it looked before the merge): its
+    # run's end moves no deleted run (MLflow refuses to update one), and its next look moves it
+    stale = client.create_run(experiment, start_time=2_000_000, tags={"mlflow.parentRunId": late})
+    client.set_terminated(stale.info.run_id, end_time=4_000_000)
+    tracking.extend_spans(client, stale.info.run_id, 4_000_000)
+    assert client.get_run(late).info.end_time != 4_000_000
+
+
+def test_the_trainers_trace_the_judged_sets_of_some_steps(tiny_run, walked):
+    """pipeline.traced_steps_every (10): step 1 of each training stage's run, as the evaluate stage
+    traces its sets: one trace a set, with a Feedback per (item, response) from the verifier."""
+    client, runs = walked
+    experiment = runs[0].info.experiment_id
+    for run in runs:
+        if run.data.tags[tracking.STAGE_TAG] not in ("train-policy", "train-evaluator"):
+            continue
+        traces = client.search_traces(
+            locations=[experiment], filter_string=f"metadata.mlflow.sourceRun = '{run.info.run_id}'"
+        )
+        assert len(traces) == run.data.metrics["traced_sets"] > 0, run.data.tags
+        for trace in traces:
+            root = trace.data.spans[0]
+            assert root.name.startswith("judged set step-00001/")  # only step 1 of tiny's 3 steps
+            assert any(a.feedback is not None for a in trace.info.assessments)

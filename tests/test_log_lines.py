@@ -11,7 +11,8 @@ from dynamicrubric.pipelines.co_evolution import task_count
 from dynamicrubric.task_monitor import PROGRESS_LINE
 
 TASK_LINE = re.compile(r"^\d\d:\d\d:\d\d done   (setup|r\d+) .+ +\d+\.\ds\b")
-REPORT_MAX_LINES = 30  # the round table (a line per round), its legend and where things are
+# the round table (a line per round) and the guard's block (the same), their legend and where things are
+REPORT_MAX_LINES = 40
 
 
 def _lines(text: str) -> list[str]:
@@ -53,10 +54,18 @@ def test_report_has_legend_sample_sizes_and_where_things_are(tiny_run):
     header = next(line for line in out.splitlines() if line.strip().startswith("round"))
     for column in ("mean_gap", "tie_rate", "uniformity", "evaluator_acc", "policy_acc", "win_rate"):
         assert column in header
-    rows = [line for line in out.splitlines() if re.match(r"^\s+[12]\s", line)]
-    assert len(rows) == tiny_run["cfg"].pipeline.rounds
+    lines = out.splitlines()
+    start = lines.index(header)
+    rounds = tiny_run["cfg"].pipeline.rounds
+    rows = lines[start + 1 : start + 1 + rounds]
+    assert [int(r.split()[0]) for r in rows] == list(range(1, rounds + 1))
     for row in rows:  # accuracies with their sample size, and a 95% interval for these small n
         assert re.search(r"\d\.\d{3} \(n=\d+\) \[\d\.\d\d-\d\.\d\d\]", row), row
+    # the signal guard's block below it: a line per round, ending with the round's alarms
+    guard = lines[start + rounds + 2]
+    assert guard.split() == ["round", "gold", "agreement", "canary", "order", "len_corr", "alarm"], guard
+    for row in lines[start + rounds + 3 : start + 2 * rounds + 3]:
+        assert re.fullmatch(r"\s*\d+\s.*\s(quiet|[a-z,]+)", row), row
     assert "Legend:" in out and "Wilson" in out
     assert f"Run folder:    {tiny_run['run_folder']}" in out
     assert str(tiny_run["run_folder"] / "index.json") in out

@@ -99,6 +99,16 @@ def test_response_order_is_seeded_permutation():
     assert any(response_order("p1", 8, seed=s) != a for s in range(4, 10))
 
 
+def test_each_rubric_sample_has_its_own_seeded_order_and_sample_0_the_sets():
+    """Sample 0 reads the set's one order (a single-sample prompt is what it always was); the others
+    each get an order of their own, a seeded permutation."""
+    assert response_order("p1", 8, seed=3, sample=0) == response_order("p1", 8, seed=3)
+    orders = [response_order("p1", 8, seed=3, sample=g) for g in range(4)]
+    assert all(sorted(o) == list(range(8)) for o in orders)
+    assert len({tuple(o) for o in orders}) == 4  # 8! orders: four seeded draws do not collide
+    assert orders == [response_order("p1", 8, seed=3, sample=g) for g in range(4)]
+
+
 def test_split_chat_prompt():
     def render(messages):
         return f"<|im_start|>user\n{messages[0]['content']}<|im_end|>\n<|im_start|>assistant\n"

@@ -218,6 +218,18 @@ def test_humaneval_correct_solution_passes(humaneval):
     assert r.passed, r.stderr
 
 
+def test_every_canonical_humaneval_solution_passes(humaneval):
+    """All 164 problems' own solutions pass under the full isolation: nothing the sandbox refuses (the
+    seccomp filter, the view, the namespaces) breaks an honest program."""
+    assert len(humaneval) == 164
+    failed = {}
+    for task_id, problem in humaneval.items():
+        r = check_humaneval(problem, problem["canonical_solution"], timeout_s=20)
+        if not r.passed:
+            failed[task_id] = f"{r.status}: {r.stderr[-500:]}"
+    assert failed == {}
+
+
 def test_humaneval_wrong_solution_fails(humaneval):
     problem = humaneval["HumanEval/0"]
     r = check_humaneval(problem, "    return False\n", timeout_s=10)
@@ -457,6 +469,53 @@ def _cmdline(proc: Path) -> str:
         return ""
 
 
+def _cpu_cgroup(name: str) -> Path:
+    """A new cgroup below ours given one CPU's time (cgroup v2 cpu.max, or the v1 cpu hierarchy's cfs
+    quota); skips where none can be made."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, own = line.split(":", 2)
+        if controllers == "":
+            folder, files = Path("/sys/fs/cgroup", own.lstrip("/")), {"cpu.max": "100000 100000"}
+        elif "cpu" in controllers.split(","):
+            folder = Path("/sys/fs/cgroup", controllers, own.lstrip("/"))
+            files = {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "100000"}
+        else:
+            continue
+        group = folder / name
+        try:
+            group.mkdir()
+        except OSError:
+            continue
+        try:
+            for file, value in files.items():
+                (group / file).write_text(value)
+            return group
+        except OSError:  # v2 without the cpu controller for our children
+            group.rmdir()
+    pytest.skip("no cgroup with a CPU quota can be made here")
+
+
+@needs_root
+def test_a_cgroup_cpu_quota_counts_as_fewer_cpus():
+    """A pod's CPU limit is a cgroup CPU quota: the judge's clocks (sandbox.py) count the CPUs it allows,
+    not those the process may be scheduled on. In a cgroup given one CPU's time, one CPU is usable."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: a quota of one changes nothing")
+    group = _cpu_cgroup(f"dynrubric-test-{uuid.uuid4().hex[:8]}")
+    try:
+        code = (
+            f"import os; open({str(group / 'cgroup.procs')!r}, 'w').write(str(os.getpid()))\n"
+            "from dynamicrubric.sandbox_launch import usable_cpus\n"
+            "print('CPUS', usable_cpus(), len(os.sched_getaffinity(0)))"
+        )
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    finally:
+        group.rmdir()
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[:2] == ["CPUS", "1.0"], proc.stdout
+    assert 1 <= sandbox_launch.usable_cpus() <= len(os.sched_getaffinity(0))
+
+
 def test_isolation_in_force_is_reported():
     r = run_python("pass", timeout_s=10)
     for part in ("mountns", "view", "netns", "pidns", "ipcns", "runuserns", "seccomp"):
@@ -559,6 +618,27 @@ def test_without_namespaces_the_weak_fallback_runs_only_when_allowed_and_warns(t
 # Not root: the same isolation through a user namespace
 
 UNPRIVILEGED_PYTHON = "/usr/bin/python3"
+# Two completions of HumanEval/0 run side by side: one signals its process group (SIGWINCH, ignored by
+# default, so the launcher and judge are not hurt if it reaches them), the other answers right only if
+# no signal reached it while both ran.
+SIGNALS_GROUP = (
+    "    return False\n"
+    "import os, signal, time\n"
+    "signal.signal(signal.SIGWINCH, signal.SIG_IGN)\n"
+    "for _ in range(30):\n"
+    "    os.kill(0, signal.SIGWINCH)\n"
+    "    time.sleep(0.05)\n"
+)
+GETS_SIGNALS = (
+    "    return False\n"
+    "import signal, time\n"
+    "GOT = []\n"
+    "signal.signal(signal.SIGWINCH, lambda *a: GOT.append(1))\n"
+    "time.sleep(1.0)\n"
+    "def has_close_elements(numbers, threshold):\n"
+    "    right = any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1 :])\n"
+    "    return right if not GOT else not right\n"
+)
 
 
 @needs_root
@@ -582,12 +662,13 @@ def test_a_plain_user_gets_the_same_isolation(humaneval):
         f"""
         import json, sys
         sys.path.insert(0, {str(folder / "src")!r})
-        from dynamicrubric.sandbox import check_humaneval, run_python
+        from dynamicrubric.sandbox import check_humaneval, check_humaneval_many, run_python
         problem = json.load(open({str(problem)!r}))
         r = run_python("import os; print(os.getuid(), sorted(p for p in os.listdir('/proc') if p.isdigit()))", timeout_s=10)
         print("RUN", r.status, r.isolation, r.stdout.strip())
         print("HONEST", check_humaneval(problem, problem["canonical_solution"]).passed)
         print("EXIT", check_humaneval(problem, "    import os\\n    os._exit(0)\\n").passed)
+        print("SIGNALS", [r.passed for r in check_humaneval_many(problem, [{GETS_SIGNALS!r}, {SIGNALS_GROUP!r}])])
         """
     )
     proc = subprocess.run(
@@ -613,6 +694,9 @@ def test_a_plain_user_gets_the_same_isolation(humaneval):
         proc.stdout
     )
     assert "HONEST True" in proc.stdout and "EXIT False" in proc.stdout
+    # A plain user's runs share its uid: only their own process groups keep kill(0) from reaching the
+    # other samples of a batch (the one signalled answers wrong).
+    assert "SIGNALS [True, False]" in proc.stdout, proc.stdout
 
 
 def test_installed_packages_are_hidden():

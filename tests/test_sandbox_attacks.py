@@ -10,6 +10,7 @@ use must still pass.
 from __future__ import annotations
 
 import json
+import math
 import textwrap
 
 import pytest
@@ -17,6 +18,7 @@ import pytest
 from dynamicrubric import tasks
 from dynamicrubric._sandbox.child import NotPlainError, from_plain, to_plain
 from dynamicrubric.sandbox import check_humaneval, check_humaneval_many
+from dynamicrubric.sandbox_launch import usable_cpus
 
 PROBLEM = "HumanEval/0"
 # The honest body of has_close_elements, reused by attacks that return a right answer in a wrong type.
@@ -335,7 +337,7 @@ def test_a_batch_gives_the_verdicts_of_single_checks(problems):
 def test_samples_in_a_batch_cannot_touch_each_other(problems):
     problem = problems[PROBLEM]
     saboteur = fn(
-        "return False",
+        "time.sleep(1.5)\nreturn False",
         prelude="""
         import os, signal, threading, time
         for folder in ("/tmp", "/var/tmp", "/dev/shm", "."):
@@ -369,12 +371,14 @@ def test_samples_in_a_batch_cannot_touch_each_other(problems):
         """,
     )
     honest = tasks.humaneval_prompt_row(problem)["reference"]
-    # The saboteur last, so it lives while the others are judged (a decided run is ended at once).
+    # The saboteur stalls its answer, so it lives while the others are judged (the judge calls every
+    # run at once, and ends a decided run at once).
     completions = [
         tasks.humaneval_completion(problem, as_response(c)) for c in (looker, honest, looker, saboteur)
     ]
     results = check_humaneval_many(problem, completions, timeout_s=5)
     assert [r.passed for r in results] == [True, True, True, False], [r.stderr[-300:] for r in results]
+    assert results[3].duration_s >= 1.5  # alive while the others were judged
     assert "pids [1, 2]" in results[3].stdout  # its own init and itself: no sibling in sight
     assert "planted seen []" in results[0].stdout and "planted seen []" in results[2].stdout
 
@@ -386,6 +390,33 @@ def test_a_hanging_sample_times_out_alone(problems):
     results = check_humaneval_many(problem, [honest, hang, honest], timeout_s=1.5)
     assert [r.status for r in results] == ["ok", "timeout", "ok"]
     assert 1.4 < results[1].duration_s < 4
+
+
+def test_a_samples_time_is_not_eaten_by_its_siblings(problems):
+    """The judge calls a batch's runs at once, so they share the CPUs: each run's clock is slowed while
+    more runs than CPUs are undecided. Four times as many runs as CPUs, each spending 0.5 s of CPU in
+    its first call: alone one takes well under its 1.5 s (0.9 s on the loaded 2-core dev VM), together
+    the last needs at least 2 s of wall time, which a plain wall-clock limit would cut (with the clock
+    at the wall's rate, they timed out)."""
+    runs = math.ceil(4 * usable_cpus())
+    if runs > 16:
+        pytest.skip(f"{usable_cpus()} CPUs: a batch of {runs} runs is more than this test should start")
+    problem = problems[PROBLEM]
+    busy = fn(
+        """
+        if not SPENT:
+            end = time.process_time() + 0.5
+            while time.process_time() < end:
+                pass
+            SPENT.append(1)
+        return _honest(numbers, threshold)
+        """,
+        prelude="import time\nSPENT = []",
+    )
+    completion = tasks.humaneval_completion(problem, as_response(busy))
+    results = check_humaneval_many(problem, [completion] * runs, timeout_s=1.5)
+    assert [r.status for r in results] == ["ok"] * len(results), [r.stderr[-200:] for r in results]
+    assert max(r.duration_s for r in results) > 1.5  # a wall-clock limit would have failed them
 
 
 def test_an_empty_batch_is_empty(problems):
@@ -413,9 +444,9 @@ def test_samples_in_a_batch_cannot_talk_to_each_other(problems):
     """No channel between samples: an abstract Unix socket one serves is not reachable from another."""
     problem = problems[PROBLEM]
     server = fn(
-        "return False",
+        "time.sleep(1.5)\nreturn False",
         prelude="""
-        import socket, threading
+        import socket, threading, time
         s = socket.socket(socket.AF_UNIX)
         s.bind("\\0dynrubric-batch-channel")
         s.listen(8)
@@ -438,9 +469,9 @@ def test_samples_in_a_batch_cannot_talk_to_each_other(problems):
         print("reached", REACHED, flush=True)
         """,
     )
-    # The server last: the judge decides runs in order and ends each decided run at once.
+    # The server stalls its answer, so it serves while the clients look (a decided run is ended at once).
     completions = [tasks.humaneval_completion(problem, as_response(c)) for c in (client, client, server)]
     results = check_humaneval_many(problem, completions, timeout_s=5)
-    assert "serving" in results[2].stdout
+    assert "serving" in results[2].stdout and results[2].duration_s >= 1.5  # served while they looked
     assert [r.passed for r in results] == [True, True, False], [r.stderr[-300:] for r in results]
     assert "reached False" in results[0].stdout and "reached False" in results[1].stdout

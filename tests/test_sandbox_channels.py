@@ -1,7 +1,14 @@
 """No state crosses between sandbox runs: a catalogue of kernel channels a completion could use to learn
 from an earlier run or a sibling sample (a reward hack: store a guess, read "I was called again" as
 "my guess passed"), each tried between separate runs, between concurrent runs of two launchers and
-between the samples of one batch. A run's memory is capped as a whole, and exceeding it is a failure.
+between the samples of one batch. Some live only while both sides run: a futex waiter on a page of a
+view file (woken and counted by a wake from any run that maps the file), the process group's best I/O
+priority, the session's autogroup nice, and (for a plain user's runs, which share a uid) kill(0) to the
+process group, tried in test_sandbox.py. One is the sandbox's own: a judge that called a batch's runs
+one after the other told each, by when its first call came, whether the runs before it passed. KSM,
+off on the dev VM, is tried by its refusal. Side channels of the shared hardware and of global
+counters (CPU time, the page cache, the task count) are not closed: sandbox.py says why. A run's
+memory is capped as a whole, and exceeding it is a failure.
 """
 
 from __future__ import annotations
@@ -21,10 +28,12 @@ HONEST = "any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in num
 
 # Shared by both sides: ctypes access to the kernel facilities (no keyutils in the view).
 COMMON = r"""
-import ctypes, ctypes.util, errno, fcntl, json, os, platform, socket, struct, sys, time
+import ctypes, ctypes.util, errno, fcntl, json, mmap, os, platform, socket, struct, sys, threading, time
 libc = ctypes.CDLL(None, use_errno=True)
-NR = {"x86_64": {"add_key": 248, "request_key": 249, "keyctl": 250},
-      "aarch64": {"add_key": 217, "request_key": 218, "keyctl": 219}}[platform.machine()]
+NR = {"x86_64": {"add_key": 248, "request_key": 249, "keyctl": 250, "futex": 202, "ioprio_set": 251,
+                 "ioprio_get": 252},
+      "aarch64": {"add_key": 217, "request_key": 218, "keyctl": 219, "futex": 98, "ioprio_set": 30,
+                  "ioprio_get": 31}}[platform.machine()]
 TAG = b"dynrubric-channel"
 SPECIAL_KEYRINGS = {"user": -4, "session": -3, "user_session": -5}
 KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_SEARCH, KEYCTL_GET_PERSISTENT = 1, 10, 22
@@ -35,6 +44,16 @@ LOCKED = {"flock": sys.executable, "posix": os.path.join(STDLIB, "os.py"),
 WATCHED = os.path.join(STDLIB, "this.py")  # a file nothing else reads
 IPC_KEY = 0xD1A5
 PRIO_USER = 2
+# Futex words in files of the view, mapped read-only: a futex without FUTEX_PRIVATE_FLAG on a file's
+# page is keyed by the file (inode and offset), whichever process maps it, even privately.
+FUTEX_WORDS = {"shared": (os.path.join(STDLIB, "abc.py"), mmap.MAP_SHARED),
+               "private": (os.path.join(STDLIB, "codecs.py"), mmap.MAP_PRIVATE)}
+FUTEX_WAIT, FUTEX_WAKE = 0, 1
+IOPRIO_WHO_PROCESS, IOPRIO_WHO_PGRP = 1, 2
+MARK_IOPRIO = (2 << 13) | 1  # best-effort, level 1: no process has it unless it asks (the default is 4)
+MARK_NICE = 7  # the nice of a scheduler autogroup (one per session); new ones have 0
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 
 def sys_call(name, *args):
     result = libc.syscall(ctypes.c_long(NR[name]), *args)
@@ -57,6 +76,20 @@ def persistent_keyring():
 
 def join_named_keyring():
     return sys_call("keyctl", ctypes.c_int(KEYCTL_JOIN_SESSION_KEYRING), b"dynrubric-named")
+
+def file_word(kind):
+    path, flags = FUTEX_WORDS[kind]
+    fd = os.open(path, os.O_RDONLY)
+    address = libc.mmap(None, 4096, mmap.PROT_READ, flags, fd, 0)
+    os.close(fd)
+    if address in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap failed")
+    return address
+
+def futex(address, op, value, timeout_s=None):
+    timeout = struct.pack("qq", int(timeout_s), int(timeout_s % 1 * 1e9)) if timeout_s else None
+    return sys_call("futex", ctypes.c_void_p(address), ctypes.c_int(op), ctypes.c_int(value), timeout, None,
+                    ctypes.c_int(0))
 
 def mq_open(flags):
     libc.mq_open.restype = ctypes.c_int
@@ -127,6 +160,25 @@ def _processes():  # held processes of the user: a sibling sharing the user's pr
     return children
 attempt("process count", _processes)
 attempt("priority", lambda: os.setpriority(PRIO_USER, os.getuid(), 19))
+attempt("ioprio", lambda: sys_call("ioprio_set", IOPRIO_WHO_PROCESS, 0, MARK_IOPRIO))
+def _autogroup():
+    with open("/proc/self/autogroup", "w") as f:
+        f.write(str(MARK_NICE))
+attempt("autogroup", _autogroup)
+def _futex_waiter(kind):  # a thread asleep on the word while the writer holds: a sibling's wake counts it
+    address = file_word(kind)
+    value = ctypes.c_int.from_address(address).value
+    def wait():  # again after each wake, so that every reader of a batch finds it asleep
+        end = time.time() + HOLD
+        while time.time() < end:
+            try:
+                futex(address, FUTEX_WAIT, value, max(end - time.time(), 0.01))
+            except OSError:
+                time.sleep(0.01)
+    threading.Thread(target=wait, daemon=True).start()
+    return address
+for kind in FUTEX_WORDS:
+    attempt(f"futex {kind}", lambda kind=kind: _futex_waiter(kind))
 print("SENT", json.dumps(sent), flush=True)
 end = time.time() + HOLD
 while time.time() < end:  # reads a file a sibling may watch with inotify
@@ -215,6 +267,20 @@ for pid in children:
     os.waitpid(pid, 0)
 if os.getpriority(os.PRIO_PROCESS, 0) != nice_before:
     seen.append("priority")
+if sys_call("ioprio_get", IOPRIO_WHO_PGRP, 0) == MARK_IOPRIO:  # the best of the process group's
+    seen.append("ioprio of the process group")
+try:
+    with open("/proc/self/autogroup") as f:  # "/autogroup-N nice K": the session's scheduling group
+        if f.read().split()[-1] == str(MARK_NICE):
+            seen.append("autogroup nice")
+except OSError:
+    pass
+for kind in FUTEX_WORDS:
+    try:
+        if futex(file_word(kind), FUTEX_WAKE, 1 << 30) > 0:  # how many waiters it woke
+            seen.append(f"futex {kind}")
+    except OSError:
+        pass
 print("SEEN", json.dumps(seen), flush=True)
 """
 
@@ -267,13 +333,45 @@ def test_nothing_carries_between_runs_of_two_launchers_at_once():
 
 
 def test_nothing_carries_between_samples_of_a_batch(problem):
-    """A reader passes only if it saw no mark of the writer, which runs beside it (judged last)."""
+    """A reader passes only if it saw no mark of the writer, which runs beside it (it holds its marks for
+    2 s before it can be called)."""
     look = as_completion(reader(wait=0.6), f"({HONEST}) if not seen else not ({HONEST})")
     leave = as_completion(writer(hold=2.0), "False")
     results = check_humaneval_many(problem, [look, look, leave], timeout_s=8)
     assert "SENT" in results[2].stdout, results[2]
     assert [seen(r.stdout) for r in results[:2]] == [[], []], [r.stdout for r in results]
     assert [r.passed for r in results] == [True, True, False], [r.stderr[-300:] for r in results]
+
+
+# The judge's order. A sender answers every call after a pause (no CPU used, so only the judge's
+# schedule can carry its time), so it is judged for long when it passes (every assertion calls it) and
+# briefly when it fails (the first wrong answer ends it). The listener notes when its first call
+# comes, counted from its own start, and answers right only if that was soon: a judge that called the
+# runs one after the other would tell it that the sample before it passed.
+SENDER_PAUSE_S = 0.4  # per call: HumanEval/0 calls 7 times, so a pass is judged for about 2.8 s
+SOON_S = 1.5  # the listener's line between "called at once" and "called after a sibling's judging"
+LISTEN = textwrap.dedent(
+    """
+    import time
+    STARTED = time.monotonic()
+    FIRST_CALL = []
+    def waited():
+        if not FIRST_CALL:
+            FIRST_CALL.append(time.monotonic() - STARTED)
+            print("FIRST CALL AFTER", round(FIRST_CALL[0], 3), flush=True)
+        return FIRST_CALL[0]
+    """
+)
+
+
+def test_when_a_run_is_called_tells_nothing_of_the_runs_beside_it(problem):
+    listener = as_completion(LISTEN, f"({HONEST}) if waited() < {SOON_S} else not ({HONEST})")
+    for sender_passes in (True, False):
+        answer = f"({HONEST})" if sender_passes else f"not ({HONEST})"
+        sender = as_completion("import time", f"(time.sleep({SENDER_PAUSE_S}), {answer})[1]")
+        results = check_humaneval_many(problem, [sender, listener], timeout_s=8)
+        assert results[0].passed is sender_passes, results[0].stderr[-300:]
+        assert results[1].passed, f"behind a sender that passed={sender_passes}: {results[1].stdout}"
 
 
 # A learner over repeated checks: it keeps a counter in the kernel keyring and answers right once it
@@ -341,3 +439,61 @@ def test_a_run_is_capped_as_a_whole_and_exceeding_it_is_a_failure(problem):
     assert "-9" in results[1].stdout  # the kernel killed one of the three
     plain = run_python(SPREAD_OVER_PROCESSES, timeout_s=10)
     assert plain.status == "failed" and "exceeded its memory cap" in plain.stderr, plain
+
+
+def test_pages_cannot_be_offered_for_merging():
+    """KSM merges equal pages of the processes that offer them (madvise MADV_MERGEABLE, or a whole process
+    with prctl PR_SET_MEMORY_MERGE) into one copy that runs then share; a write to it is slow (copy on
+    write), which tells a run that another holds the same bytes. KSM is off on the dev VM, so the merge
+    itself cannot be tried here: both offers are refused with EINVAL, as on a kernel without KSM."""
+    code = textwrap.dedent(
+        """
+        import ctypes, json, mmap
+        libc = ctypes.CDLL(None, use_errno=True)
+        pages = mmap.mmap(-1, 1 << 16)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(pages))
+        def offer(call):
+            return "merging" if call() == 0 else ctypes.get_errno()
+        answers = {
+            "madvise": offer(lambda: libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(1 << 16), 12)),
+            "prctl": offer(lambda: libc.prctl(67, 1, 0, 0, 0)),  # PR_SET_MEMORY_MERGE
+        }
+        print("MERGE", json.dumps(answers))
+        """
+    )
+    r = run_python(code, timeout_s=10)
+    assert r.passed, r.stderr
+    assert json.loads(r.stdout.split("MERGE ")[1]) == {"madvise": 22, "prctl": 22}, r.stdout
+
+
+# Three processes of one run take a multiprocessing lock (a POSIX semaphore in the run's /dev/shm, whose
+# futex is process-shared) 1000 times each around an unlocked read-modify-write of a shared counter, and
+# a pool of two maps over a queue: with shared futexes kept from the kernel, a contended wait spins.
+SHARED_LOCKS = textwrap.dedent(
+    """
+    import multiprocessing as mp, time
+    def work(lock, counter):
+        for _ in range(1000):
+            with lock:
+                value = counter.value
+                time.sleep(0)  # give the others the CPU while the lock is held
+                counter.value = value + 1
+    if __name__ == "__main__":
+        ctx = mp.get_context("fork")
+        lock, counter = ctx.Lock(), ctx.Value("i", 0, lock=False)
+        workers = [ctx.Process(target=work, args=(lock, counter)) for _ in range(3)]
+        for p in workers:
+            p.start()
+        for p in workers:
+            p.join()
+        with ctx.Pool(2) as pool:
+            total = sum(pool.map(abs, range(-50, 0)))
+        print("COUNT", counter.value, total)
+    """
+)
+
+
+def test_process_shared_locks_work_within_a_run():
+    r = run_python(SHARED_LOCKS, timeout_s=30)
+    assert r.passed, r.stderr
+    assert "COUNT 3000 1275" in r.stdout, r.stdout

@@ -8,6 +8,7 @@ started the same way by tests_vllm/test_served_rewards.py (`make test-vllm`).
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -118,6 +119,44 @@ def test_a_server_that_exits_or_never_gets_healthy_fails_with_its_log(tmp_path: 
         os.killpg(server.process.pid, 0)  # the whole process group is gone
 
 
+def test_a_server_whose_port_another_process_takes_first_starts_again_on_another(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """free_port() lets its port go before the server binds it: here a real process takes that port in
+    between, the first start fails with EADDRINUSE, and the server starts again on a new port. A port
+    the caller chose is not changed behind its back."""
+    import httpx
+
+    taken = free_port()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_PORT, str(taken)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "bound"
+        ports = iter([taken])  # the race, made certain: the first port chosen is the one just taken
+        monkeypatch.setattr("dynamicrubric.serving.free_port", lambda: next(ports, None) or free_port())
+        with reward_servers(_cfg(tmp_path), "train_evaluator", {"verifier": "/m"}, {}, tmp_path) as urls:
+            assert urls["verifier"] != f"http://127.0.0.1:{taken}"
+            assert httpx.get(f"{urls['verifier']}/health", timeout=5).status_code == 200
+        assert (tmp_path / "verifier.log").read_text().count("stand-in serving") == 2  # two starts
+        server = VLLMServer(_cfg(tmp_path), "verifier", "/m", gpus=[], log_dir=tmp_path / "fixed", port=taken)
+        try:
+            with pytest.raises(ServerError, match="exited with code 1 before it was healthy"):
+                server.wait_healthy(60)
+        finally:
+            server.stop(grace_s=5)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+HOLD_PORT = """
+import socket, sys, time
+s = socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen()
+print("bound", flush=True); time.sleep(600)
+"""
+
+
 def test_fsdp_trainer_checkpoints_are_sharded() -> None:
     """Read from the accelerate config the GPU launch uses: resumable checkpoints as DCP shards (a full
     state dict would gather every rank's weights and optimizer states on rank 0 at each save)."""
@@ -132,15 +171,18 @@ def test_fsdp_trainer_checkpoints_are_sharded() -> None:
 
 SCORE_BY_GROUPS = """
 import json, sys
+from datetime import timedelta
 from accelerate import PartialState
-from dynamicrubric.training.reward_common import score_by_groups as _score_by_groups
+from dynamicrubric.training import cpu_waits
+from dynamicrubric.training.reward_common import Scored, score_by_groups as _score_by_groups
 state = PartialState(cpu=True)
+cpu_waits.init(timedelta(minutes=5))  # as the trainer does once the process group exists
 rank = state.process_index
-local = [{"group": 2 * rank + g, "row": 4 * rank + 2 * g + i} for g in range(2) for i in range(2)]  # 2 groups of 2
+local = [{"prompt_id": f"p{2 * rank + g}", "row": 4 * rank + 2 * g + i} for g in range(2) for i in range(2)]  # 2 groups of 2
 calls = []
-def score(rows, r, w):
+def score(rows, share):
     calls.append(len(rows))
-    return [10 * row["row"] for row in rows], {"rank_scored": float(len(rows))}
+    return Scored([10 * row["row"] for row in rows], {"rank_scored": float(len(rows))})
 values, metrics = _score_by_groups(local, 2, score, served=True)
 # a file per rank: two processes printing to one pipe can interleave their lines
 with open(f"{sys.argv[1]}/rank-{rank}.json", "w") as f:
@@ -169,5 +211,30 @@ def test_with_served_models_the_main_process_scores_the_whole_step(tmp_path: Pat
     )
     assert done.returncode == 0, done.stderr[-3000:]
     out = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
-    assert [r["calls"] for r in out] == [[8], [0]]  # rank 0 scored all 8 rows (4 groups), rank 1 none
+    assert [r["calls"] for r in out] == [[8], []]  # rank 0 scored all 8 rows (4 groups), rank 1 was not asked
     assert out[0]["values"] == [0, 10, 20, 30] and out[1]["values"] == [40, 50, 60, 70]
+
+
+def test_with_served_models_each_node_s_first_process_scores_its_node_s_share() -> None:
+    """Who scores which groups (each rank's torchrun GROUP_RANK in): on two nodes of two processes each,
+    group g is node g % 2's, sent by the node's first process (ranks 0 and 2); on one node rank 0 sends
+    all; in-process models: every process its world-th groups, each in its rank-R folder."""
+    from dynamicrubric.training.reward_common import _split
+
+    assert _split(True, [0, 0, 1, 1], 5) == ([0, 1, 0, 1, 0], {0: 0, 1: 2}, "node")
+    assert _split(True, [0, 0], 3) == ([0, 0, 0], {0: 0}, "rank")
+    assert _split(False, [0, 0, 1, 1], 5) == ([0, 1, 2, 3, 0], {0: 0, 1: 1, 2: 2, 3: 3}, "rank")
+
+
+def test_a_step_scored_in_parts_logs_the_step_s_counts_not_their_mean() -> None:
+    """TRL averages what each process logs; a step in parts is logged once, its parts combined: request
+    and group counts add up, a time is the slowest part's, a rate is weighted by the parts' groups."""
+    from dynamicrubric.training.reward_common import combined_metrics
+
+    names = ("judge/calls_ok", "rewards/failed_groups", "time/judge_s", "judge/yes_rate")
+    parts = [
+        (2, dict(zip(names, (8.0, 1.0, 3.0, 0.5), strict=True))),
+        (1, dict(zip(names, (4.0, 0.0, 5.0, 0.2), strict=True))),
+        (0, {}),  # a process that scored nothing
+    ]
+    assert combined_metrics(parts) == pytest.approx(dict(zip(names, (12.0, 1.0, 5.0, 0.4), strict=True)))

@@ -79,3 +79,27 @@ def test_incomplete_staged_copy_is_refused(s3_env, tmp_path, monkeypatch):
     with pytest.raises(ModelError, match=r"staged model s3://.*/runs/models/half: .*incomplete"):
         resolve_model(uri)
     assert not any(Path(tmp_path).rglob("config.json"))  # nothing half-downloaded is left as a model
+
+
+def test_the_context_check_of_a_staged_model_fetches_no_weights(s3_env, tmp_path, monkeypatch):
+    """A training task checks its prompts against the model's context before it launches: from the
+    config and tokenizer alone, not a download of the whole staged model into the task's pod."""
+    from dynamicrubric.config import load_config
+    from dynamicrubric.training.data import check_context
+
+    uri = f"s3://{s3_env}/models/tiny"
+    store.upload_dir(prepare_model("tiny-random"), uri)
+    monkeypatch.setenv("DYNRUBRIC_CACHE", str(tmp_path / "task-cache"))
+    cfg = load_config(preset="tiny")
+    fits = {"prompt_id": ["a"], "prompt": [[{"role": "user", "content": "1 + 1 = ?"}]]}
+    check_context("policy", cfg, uri, fits, 16, None)
+    too_long = {"prompt_id": ["b"], "prompt": [[{"role": "user", "content": "1 + " * 3000}]]}
+    with pytest.raises(
+        ValueError, match=rf"prompt 'b' has \d+ tokens; .* exceeds the context length 2048 of '{uri}'"
+    ):
+        check_context("policy", cfg, uri, too_long, 16, None)
+    fetched = sorted(p.name for p in (tmp_path / "task-cache").rglob("*") if p.is_file())
+    assert "tokenizer.json" in fetched and "config.json" in fetched
+    assert not [name for name in fetched if name.endswith(".safetensors")], fetched
+    # the whole model, fetched later for training, is a folder of its own with its weights
+    assert (resolve_model(uri) / "model.safetensors").is_file()

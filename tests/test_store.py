@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from services import SeaweedS3
+from services import SeaweedS3, TcpProxy
 
 from dynamicrubric import store
 from dynamicrubric.store import StoreError, folders, s3
@@ -547,3 +548,172 @@ def test_outputs_as_a_set_publish_all_or_none(tmp_path, s3_env):
         (Path(paths[2]) / "p.png").write_bytes(b"png")
     assert store.read_bytes(outs[0]) == b"a" and store.read_bytes(outs[1]) == b"b"
     assert store.is_complete(outs[2]) and (Path(outs[2]) / "p.png").read_bytes() == b"png"
+
+
+# --------------------------------------------------------------------------------------------------
+# A local folder copied to S3 flat, as KFP's launcher uploads a task's output artifact
+
+
+def _model_folder(root: Path) -> Path:
+    (root / "sub").mkdir(parents=True)
+    (root / "config.json").write_text('{"model_type": "llama"}')
+    (root / "tokenizer.json").write_text('{"version": "1.0"}')
+    (root / "model.safetensors").write_bytes(os.urandom(300_000))
+    (root / "sub" / "x.bin").write_bytes(os.urandom(1000))
+    return root
+
+
+def _launcher_upload(seaweed: SeaweedS3, local: Path, uri: str) -> None:
+    """KFP's v2 launcher: every file under the task's output path, `_COMPLETE` included, put under the
+    artifact's URI with the same relative key (plain boto3, nothing of the store)."""
+    bucket, prefix = store.split_s3(uri.rstrip("/") + "/")
+    client = seaweed.client()
+    for p in sorted(local.rglob("*")):
+        if p.is_file():
+            client.upload_file(str(p), bucket, prefix + p.relative_to(local).as_posix())
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes()
+        for p in folder.rglob("*")
+        if p.is_file() and p.name != store.COMPLETE_MARKER
+    }
+
+
+def test_a_local_folder_uploaded_flat_by_the_launcher_reads_by_its_s3_uri(s3_env, seaweed, tmp_path):
+    from dynamicrubric.models import resolve_model
+
+    local = tmp_path / "pod" / "s3" / s3_env / "run" / "task" / "out"
+    store.upload_dir(_model_folder(tmp_path / "trained"), str(local))  # the task writes its output path
+    uri = f"s3://{s3_env}/run/task/out"
+    _launcher_upload(seaweed, local, uri)
+    assert store.read_manifest(uri)["layout"] == "flat"
+    want = _files(local)
+    assert _files(store.download_dir(uri, tmp_path / "dl")) == want
+    assert store.read_bytes(store.folder_file(uri, "sub/x.bin")) == want["sub/x.bin"]
+    assert _files(resolve_model(uri)) == want
+    # A file changed after the marker was written is refused, not read.
+    bucket, prefix = store.split_s3(uri + "/")
+    seaweed.client().put_object(Bucket=bucket, Key=prefix + "sub/x.bin", Body=b"tampered")
+    with pytest.raises(StoreError, match=r"sub/x\.bin does not match its checksum in _COMPLETE"):
+        store.download_dir(uri, tmp_path / "dl2")
+    assert not (tmp_path / "dl2" / "sub" / "x.bin").exists()  # a refused file never appears
+
+
+def test_an_s3_rewrite_of_a_flat_copied_folder_replaces_its_files(s3_env, seaweed, tmp_path):
+    local = tmp_path / "out"
+    store.upload_dir(_model_folder(tmp_path / "a"), str(local))
+    uri = f"s3://{s3_env}/ckpt"
+    _launcher_upload(seaweed, local, uri)
+    store.upload_dir(_folder(tmp_path / "b", "B", FOLDERS["B"]), uri)  # an S3 writer rewrites it
+    manifest = store.read_manifest(uri)
+    assert manifest["layout"] == "versioned"
+    files = _read_folder(uri, tmp_path / "dl")
+    assert sorted(files) == FOLDERS["B"] and _writer_of(files) == "B"
+    # the flat copy's files are gone, only the new version and its marker are left
+    assert sorted(store.list_files(uri)) == sorted(
+        [store.COMPLETE_MARKER, *(f"_versions/{manifest['token']}/{rel}" for rel in FOLDERS["B"])]
+    )
+
+
+@pytest.mark.parametrize("writer", ["local-then-flat-copy", "s3"])
+def test_format1_manifests_are_still_read(writer, s3_env, seaweed, tmp_path):
+    """Markers written before they named a layout: an S3 writer's (files under _versions/<token>/) and a
+    local writer's copied flat by the launcher."""
+    src = _model_folder(tmp_path / "src")
+    uri = f"s3://{s3_env}/old"
+    bucket, prefix = store.split_s3(uri + "/")
+    token = "18f0000000000000-0123456789ab"
+    entries = {
+        rel: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        for rel, data in _files(src).items()
+    }
+    marker = json.dumps({"format": 1, "token": token, "files": entries}).encode()
+    under = prefix if writer != "s3" else f"{prefix}_versions/{token}/"
+    client = seaweed.client()
+    for rel in entries:
+        client.upload_file(str(src / rel), bucket, under + rel)
+    client.put_object(Bucket=bucket, Key=prefix + store.COMPLETE_MARKER, Body=marker)
+    assert store.read_manifest(uri)["layout"] == ("versioned" if writer == "s3" else "flat")
+    assert _files(store.download_dir(uri, tmp_path / "dl")) == _files(src)
+    assert store.read_bytes(store.folder_file(uri, "config.json")) == (src / "config.json").read_bytes()
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory: a model folder's files are streamed, never whole in memory (a pod has a memory limit)
+
+BIG_FILE_MB = 300  # larger than the limit below: a whole-object read cannot fit
+MEMORY_LIMIT_MB = 160  # a bare python + boto3 + the store measured ≈51 MB peak here
+
+
+@pytest.mark.slow  # 300 MB up and down: ≈35 s on a loaded 2-core machine
+def test_a_folder_larger_than_the_memory_limit_is_uploaded_and_downloaded(s3_env, seaweed, tmp_path):
+    from pod_limits import memory_limit_mechanism, run_with_memory_limit
+
+    if memory_limit_mechanism() is None:
+        pytest.skip("no memory cgroup (v1 or v2) is writable here and RLIMIT_AS is unavailable")
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    digest = hashlib.sha256()
+    with open(src / "model.safetensors", "wb") as f:
+        for _ in range(BIG_FILE_MB):
+            block = os.urandom(1 << 20)
+            f.write(block)
+            digest.update(block)
+    uri = f"s3://{s3_env}/big-model"
+    script = textwrap.dedent(f"""
+        from dynamicrubric import store
+        store.upload_dir({str(src)!r}, {uri!r})
+        store.download_dir({uri!r}, {str(tmp_path / "dl")!r})
+    """)
+    env = {**os.environ, **seaweed.env(), store.RETRY_BUDGET_ENV: "20"}
+    proc = run_with_memory_limit(
+        [sys.executable, "-c", script], MEMORY_LIMIT_MB << 20, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode} under {MEMORY_LIMIT_MB} MiB ({memory_limit_mechanism()}): {proc.stderr[-2000:]}"
+    )
+    got = hashlib.sha256()
+    with open(tmp_path / "dl" / "model.safetensors", "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            got.update(block)
+    assert got.hexdigest() == digest.hexdigest()
+
+
+def test_a_download_cut_off_mid_stream_starts_that_file_over(s3_env, seaweed, tmp_path, monkeypatch, caplog):
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "model.safetensors").write_bytes(os.urandom(12 << 20))
+    uri = f"s3://{s3_env}/cut"
+    store.upload_dir(src, uri)
+    proxy = TcpProxy(seaweed.port, cut_after=5 << 20)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+        store.reset_client()
+        with caplog.at_level("WARNING", logger="dynamicrubric.store"):
+            dl = store.download_dir(uri, tmp_path / "dl")
+    finally:
+        proxy.close()
+        store.reset_client()
+    assert proxy.cuts == 1
+    assert "retrying" in caplog.text  # the store's budgeted retry took it, not a silent short file
+    assert (dl / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    assert sorted(p.name for p in dl.iterdir()) == [
+        "_COMPLETE",
+        "config.json",
+        "model.safetensors",
+    ]  # no temp
+
+
+def test_copy_file_streams_between_any_two_uris(s3_env, tmp_path):
+    data = os.urandom(3 << 20)
+    (tmp_path / "a.bin").write_bytes(data)
+    store.copy_file(str(tmp_path / "a.bin"), f"s3://{s3_env}/b.bin")
+    store.copy_file(f"s3://{s3_env}/b.bin", str(tmp_path / "sub" / "c.bin"))
+    assert (tmp_path / "sub" / "c.bin").read_bytes() == data
+    with pytest.raises(StoreError, match=rf"^s3://{s3_env}/missing\.bin: no such object$"):
+        store.copy_file(f"s3://{s3_env}/missing.bin", str(tmp_path / "d.bin"))
+    assert not (tmp_path / "d.bin").exists()

@@ -76,21 +76,27 @@ def test_run_tree_parent_rounds_and_stages(cfg, client):
     assert [a.path for a in client.list_artifacts(parent_id)] == ["config.yaml"]
     assert tracking.find_pipeline_run(cfg, run_name) == parent_id
 
-    rounds = {r.data.tags[tracking.ROUND_TAG]: r for r in _children(client, parent_id)}
-    assert sorted(rounds) == ["1", "2"]
-    assert rounds["2"].info.run_name == "round-2"
-
+    # a round's run is made by its first task, started with it (MLflow cannot move a start later)
+    assert _children(client, parent_id) == []
     with tracking.stage_run(cfg, run_name, 2, "policy-rollout") as stage:
         stage.log_metrics({"reward_mean": 0.25, "responses": 12, "truncated": True})
     with tracking.stage_run(cfg, run_name, 0, "prepare-data") as prep:
         pass
+    rounds = {
+        r.data.tags[tracking.ROUND_TAG]: r
+        for r in _children(client, parent_id)
+        if r.info.run_id != prep.run_id
+    }
+    assert sorted(rounds) == ["2"]
+    assert rounds["2"].info.run_name == "round-2"
+    assert rounds["2"].info.start_time == client.get_run(stage.run_id).info.start_time
+    assert rounds["2"].info.end_time == client.get_run(stage.run_id).info.end_time
 
     rollout = client.get_run(stage.run_id)
     assert rollout.data.tags["mlflow.parentRunId"] == rounds["2"].info.run_id
     assert rollout.data.tags[tracking.STAGE_TAG] == "policy-rollout"
     assert rollout.data.metrics == {"reward_mean": 0.25, "responses": 12.0}  # booleans are not metrics
     assert client.get_run(prep.run_id).data.tags["mlflow.parentRunId"] == parent_id
-    assert [r.info.run_id for r in _children(client, rounds["1"].info.run_id)] == []
 
     missing = pytest.raises(RuntimeError, match="no parent run for pipeline run 'never-started'")
     with missing, tracking.stage_run(cfg, "never-started", 1, "rollout"):

@@ -7,6 +7,7 @@ the same `accelerate launch` path the pipeline's training components use.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -68,24 +70,35 @@ def _train_policy(cfg, folder: Path, **kwargs) -> dict:
     )
 
 
-def kill_after_checkpoint(cfg, job: TrainingJob, step: int, env: dict[str, str] | None = None) -> None:
+def kill_after_checkpoint(
+    cfg, job: TrainingJob, step: int, env: dict[str, str] | None = None, world_size: int = 1
+) -> str:
     """A training launch SIGKILLed (with its whole process group) once the trainer checkpoint of `step`
-    is stored: the trainer stalls there (checkpoints.STALL_ENV) until the kill."""
+    is stored: the trainer stalls there (checkpoints.STALL_ENV) until the kill. Returns what it printed."""
     files = Path(job.steps_uri).parent
     (files / "config.yaml").write_text(cfg.to_yaml())
     (files / "job.json").write_text(job.to_json())
     args = ["--config", str(files / "config.yaml"), "--job", str(files / "job.json")]
     env = {**os.environ, **(env or {}), checkpoints.STALL_ENV: str(step)}
     proc = subprocess.Popen(
-        launcher.launch_command(1, args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        launcher.launch_command(world_size, args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + 600
+    lines = []
     for line in proc.stdout:
+        lines.append(line)
         if f"stalled after step {step}" in line or time.monotonic() > deadline:
             break
+    # torchrun (several processes) starts each worker in a session of its own: kill them by pid too
+    workers = psutil.Process(proc.pid).children(recursive=True)
     os.killpg(proc.pid, signal.SIGKILL)
+    for worker in workers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            worker.kill()
     proc.wait()
+    psutil.wait_procs(workers, timeout=30)
+    return "".join(lines)
 
 
 def _sequence_logprobs(model: str, prompts: list[str], responses: list[str]) -> np.ndarray:
@@ -120,7 +133,8 @@ def test_policy_step_moves_probability_towards_higher_scores(tmp_path):
 
 
 def test_per_step_artifacts_validate_and_metrics_are_recorded(tmp_path):
-    cfg = _cfg(train_policy={"max_steps": 2})
+    # With item dropout: the step's rubrics carry judged_items, which the contract checks
+    cfg = _cfg(train_policy={"max_steps": 2}, judge={"item_dropout": 0.5})
     final = _train_policy(cfg, tmp_path)
     for step in (1, 2):
         folder = tmp_path / "steps" / f"step-{step:05d}"
@@ -130,8 +144,12 @@ def test_per_step_artifacts_validate_and_metrics_are_recorded(tmp_path):
     metrics = read_frame(str(tmp_path / "metrics.parquet"), "metrics")
     names = set(metrics["name"])
     for name in ("reward_mean", "reward_std", "kl", "entropy", "signal/tie_rate", "signal/uniformity_rate",
-                 "judge/yes_rate", "rubrics/parse_rate"):  # fmt: skip
+                 "judge/yes_rate", "rubrics/parse_rate", "rewards/length_corr_groups", "judge/items_kept",
+                 "judge/items_dropped"):  # fmt: skip
         assert name in names, name
+    rubrics = read_frame(str(tmp_path / "steps" / "step-00001" / "rubrics.parquet"), "rubrics")
+    judgments = read_frame(str(tmp_path / "steps" / "step-00001" / "judgments.parquet"), "judgments")
+    assert len(judgments) == cfg.rollout.k * rubrics["judged_items"].map(len).sum()
     assert sorted(set(metrics["step"])) == [1, 2]
     # The time measurements come back apart (for MLflow): a rerun could not write the same artifact
     assert not any(name.startswith("time/") for name in names)
@@ -267,7 +285,10 @@ def test_sigkill_mid_run_then_rerun_equals_uninterrupted(tmp_path):
     resumes from that checkpoint and ends with the weights of an uninterrupted run."""
     # 8 prompts, 2 a step: the 4 steps stay inside one pass over the pool. TRL's sampler reshuffles each
     # pass from its seed alone, so a resume after a whole pass would draw another order (docs/training.md).
-    cfg = _cfg(train_policy={"max_steps": 4, "save_steps": 2}, data={"num_prompts": 8})
+    # With item dropout, whose seeded subsets must not depend on what the process scored before.
+    cfg = _cfg(
+        train_policy={"max_steps": 4, "save_steps": 2}, data={"num_prompts": 8}, judge={"item_dropout": 0.5}
+    )
     (tmp_path / "whole").mkdir()
     _train_policy(cfg, tmp_path / "whole")
 
@@ -281,8 +302,9 @@ def test_sigkill_mid_run_then_rerun_equals_uninterrupted(tmp_path):
 
     launcher.launch(cfg, job)
     for step in (3, 4):  # the resumed steps sampled and scored exactly what the uninterrupted run did
-        rel = Path("steps") / f"step-{step:05d}" / "rollouts.parquet"
-        assert (tmp_path / "whole" / rel).read_bytes() == (folder / rel).read_bytes(), rel
+        for kind in ("rollouts", "rubrics", "judgments"):
+            rel = Path("steps") / f"step-{step:05d}" / f"{kind}.parquet"
+            assert (tmp_path / "whole" / rel).read_bytes() == (folder / rel).read_bytes(), rel
     a, b = _weights(tmp_path / "whole" / "policy"), _weights(folder / "policy")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -398,3 +420,35 @@ def test_smaller_lm_head_tiles_change_no_number(monkeypatch):
     after = run()
     for a, b in zip(before, after, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.slow  # a 2-process run whose trainer checkpoint and export take about a minute to upload
+def test_ranks_wait_out_a_slow_checkpoint_upload_beyond_the_collectives_timeout(
+    tmp_path, s3_env, seaweed, monkeypatch
+):
+    """While rank 0 uploads a trainer checkpoint, the other ranks wait on a group of their own with
+    `wait_timeout_s`, not in the next step's collective: an upload slower than the process group's
+    timeout (as a ~92 GiB checkpoint is slower than NCCL's 10 minutes below ~165 MB/s) no longer ends the
+    job. Here the uplink to a real S3 server passes 0.4 MB/s a connection, so the ~31 MB full-finetune
+    checkpoint of tiny-random takes far longer than the 10 s process group timeout (gloo on CPU, NCCL's
+    role on GPU); before the transfer group the other rank failed with "Timed out waiting 10000ms"."""
+    from services import TcpProxy
+
+    proxy = TcpProxy(seaweed.port, request_rate=0.4e6)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    store.reset_client()
+    cfg = _cfg(
+        train_policy={"max_steps": 2, "save_steps": 1, "per_device_train_batch_size": 2, "world_size": 2,
+                      "process_group_timeout_s": 10, "torch_threads": 1},
+    )  # fmt: skip
+    out = f"s3://{s3_env}/policy"
+    try:
+        final = launcher.launch(
+            cfg,
+            TrainingJob("train-policy", prompts_uri=_prompts(tmp_path, cfg), policy="tiny-random",
+                        generator="tiny-random", out_uri=out, steps_uri=str(tmp_path / "steps"), round_idx=1),
+        )  # fmt: skip
+    finally:
+        proxy.close()
+        store.reset_client()
+    assert store.is_complete(out) and "reward_mean" in final

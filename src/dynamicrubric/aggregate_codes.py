@@ -12,7 +12,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dynamicrubric.artifacts import kind
+from dynamicrubric.artifacts import JUDGED_ITEMS, kind
 
 log = logging.getLogger(__name__)
 
@@ -149,14 +149,18 @@ def _index_judgments(judgments: Frame, sets: _Sets, rubrics: Frame | None) -> _J
 
     if rubrics is not None:
         order = np.argsort(rub.prompt * rubric_space + rub.rubric_idx)  # rubric rows in group order
-        expected = rub.num_items[order]
         item_row = order[item_group]
-        beyond = item_number >= expected[item_group]
+        beyond = item_number >= rub.num_items[order][item_group]
         fail_at(beyond[item], "item_idx is beyond the rubric's items")
         fail_at(
             (item_weight != rub.weights[rub.first_item[item_row] + item_number])[item],
             "weight differs from the rubric's item weight",
         )
+        fail_at(
+            ~rub.judged[rub.first_item[item_row] + item_number][item],
+            "item_idx is not among the rubric's judged_items (left out by item dropout)",
+        )
+        expected = rub.num_judged[order]  # every item, unless item dropout left some out
         judged = np.bincount(item_group, minlength=len(group_keys))
         missing = np.flatnonzero(judged != expected)
         if len(missing):
@@ -203,6 +207,8 @@ class _RubricRows:
     num_items: np.ndarray  # (R,) items in the rubric (0: empty rubric)
     first_item: np.ndarray  # (R,) offset of the rubric's first item in `weights`
     weights: np.ndarray  # all item weights, rubric after rubric
+    judged: np.ndarray  # (as weights) whether the item was judged: all, unless a judged_items column says
+    num_judged: np.ndarray  # (R,) items judged in the rubric
 
 
 def _rubric_rows(rubrics: Frame, sets: _Sets) -> _RubricRows:
@@ -226,7 +232,31 @@ def _rubric_rows(rubrics: Frame, sets: _Sets) -> _RubricRows:
         items = pa.array(rubrics["items"], type=kind("rubrics").schema.field("items").type)
     num_items = pc.fill_null(pc.list_value_length(items), 0).to_numpy().astype(np.int64)
     weights = pc.struct_field(pc.list_flatten(items), "weight").to_numpy().astype(np.int64)
-    return _RubricRows(prompt, rubric_idx, num_items, _starts(num_items), weights)
+    first_item = _starts(num_items)
+    judged = np.ones(len(weights), dtype=bool)
+    names = rubrics.column_names if isinstance(rubrics, pa.Table) else rubrics.columns
+    if "judged_items" in names:  # item dropout: the verifier was asked about these items only
+        if isinstance(rubrics, pa.Table):
+            kept = rubrics.column("judged_items").combine_chunks()
+        else:
+            kept = pa.array(rubrics["judged_items"], type=JUDGED_ITEMS.type)
+        row = pc.list_parent_indices(kept).to_numpy().astype(np.int64)
+        item_idx = pc.list_flatten(kept).to_numpy().astype(np.int64)
+        outside = (item_idx < 0) | (item_idx >= num_items[row])
+        if outside.any():
+            r = int(row[np.flatnonzero(outside)[0]])
+            raise AggregateError(
+                f"rubrics (prompt_id={prompt_col[r].as_py()!r}, rubric_idx={int(rubric_idx[r])}): judged_items "
+                f"names item {int(item_idx[outside][0])} of a rubric of {int(num_items[r])} item(s)"
+            )
+        judged[:] = False
+        judged[first_item[row] + item_idx] = True
+    num_judged = np.bincount(
+        np.repeat(np.arange(len(num_items)), num_items), weights=judged, minlength=len(num_items)
+    )
+    return _RubricRows(
+        prompt, rubric_idx, num_items, first_item, weights, judged, num_judged.astype(np.int64)
+    )
 
 
 # --------------------------------------------------------------------------------------------------

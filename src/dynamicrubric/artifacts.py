@@ -16,7 +16,9 @@ Kinds (keys in brackets):
 - anchors      [list_id, sample_idx]                  ranked response lists (rank 1 = best)
 - outcomes     [prompt_id, sample_idx]                the task checker's score of a held-out sample
 - units        [round, variant, measure, unit_id]     what the evaluate stage's metrics average over
+- item_usefulness [round, prompt_id, rubric_idx, item_idx]  how each rubric item splits and ranks responses
 - metrics      [round, stage, variant, name, step]    numbers for MLflow and reports
+- guard        [round]                                the signal guard's verdict on a round (guard.py)
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ def _f(name: str, type_: pa.DataType, nullable: bool = False) -> pa.Field:
 
 INDEX = (0, 2**31 - 1)  # the range of an index or count column: never negative
 STEP = _f("step", pa.int32())  # the trainer's step that wrote a per-step artifact
+# The item_idx values of a rubric that the verifier judged, ascending (the policy's reward with
+# `judge.item_dropout`); without the column every item was judged. The items stay as written.
+JUDGED_ITEMS = _f("judged_items", pa.list_(pa.field("item_idx", pa.int32(), nullable=False)))
 
 
 KINDS: dict[str, Kind] = {
@@ -123,7 +128,7 @@ KINDS: dict[str, Kind] = {
                 ]
             ),
             keys=("prompt_id", "rubric_idx"),
-            optional=(STEP,),
+            optional=(STEP, JUDGED_ITEMS),
             min_rows=1,
             ranges={"items.weight": (1, 5), "rubric_idx": (0, 2**31 - 1)},
         ),
@@ -240,6 +245,55 @@ KINDS: dict[str, Kind] = {
             ranges={"value": (0.0, 1.0)},
         ),
         Kind(
+            "guard",  # the signal guard's verdict on one round, and the models it is about
+            pa.schema(
+                [
+                    _f("round", pa.int32()),
+                    _f("healthy", pa.bool_()),
+                    _f("alarms", pa.string()),  # the alarms that fired, comma-separated (guard.ALARMS)
+                    _f("reasons", pa.string()),  # why, in words
+                    _f("action", pa.string()),  # guard.action: warn | stop | rollback
+                    _f("policy", pa.string()),  # P_t and G_t (model references): what a rollback leaves
+                    _f("generator", pa.string()),
+                ]
+            ),
+            keys=("round",),
+            min_rows=1,
+        ),
+        Kind(
+            "item_usefulness",  # per rubric item of a round (item_usefulness.py); diagnosis and export only
+            pa.schema(
+                [
+                    _f("round", pa.int32()),
+                    _f("prompt_id", pa.string()),
+                    _f("rubric_idx", pa.int32()),
+                    _f("item_idx", pa.int32()),
+                    _f("text", pa.string()),
+                    _f("weight", pa.int8()),
+                    _f("num_responses", pa.int32()),  # the candidate set's K
+                    _f("num_failed", pa.int32()),  # verdicts the verifier could not score (left out)
+                    _f("pass_rate", pa.float64(), nullable=True),  # null: every verdict failed
+                    _f("splits", pa.bool_()),
+                    # null: the rubric's score does not vary; an item pulling against the rest is < 0
+                    _f("variance_share", pa.float64(), nullable=True),
+                    _f("gold_pairs", pa.int32()),
+                    _f("gold_agreement", pa.float64(), nullable=True),  # null: no gold pairs
+                    _f("recurrence", pa.int32()),
+                    _f("useful", pa.bool_()),
+                ]
+            ),
+            keys=("round", "prompt_id", "rubric_idx", "item_idx"),
+            ranges={
+                "weight": (1, 5),
+                "pass_rate": (0.0, 1.0),
+                "gold_agreement": (0.0, 1.0),
+                "recurrence": (1, 2**31 - 1),
+                **dict.fromkeys(
+                    ("round", "rubric_idx", "item_idx", "num_responses", "num_failed", "gold_pairs"), INDEX
+                ),
+            },
+        ),
+        Kind(
             "metrics",
             pa.schema(
                 [
@@ -281,6 +335,11 @@ def to_table(kind_name: str, data: pd.DataFrame | list[dict] | pa.Table) -> pa.T
         table = data
     elif isinstance(data, pd.DataFrame):
         table = pa.Table.from_pandas(data, preserve_index=False)
+        # from_pandas reads a float NaN as null; where the contract gives NaN a meaning, it stays NaN.
+        for name in (c for k, c in NAN_ALLOWED if k == kind_name and c in table.schema.names):
+            if data[name].dtype.kind == "f":
+                column = pa.array(data[name].to_numpy(), from_pandas=False)
+                table = table.set_column(table.schema.get_field_index(name), name, column)
     else:
         # Infer types first (not from the schema, which would fill a missing key with nulls).
         table = pa.Table.from_pylist(list(data)) if data else k.schema.empty_table()
@@ -410,6 +469,8 @@ def validate_table(table: pa.Table, k: Kind, where: str) -> None:
             raise ArtifactError(f"{where}: column {col_name!r} has value {bad}, expected {low}..{high}")
     if k.name == "prompts":
         _check_meta_is_json(table, where)
+    if k.name == "rubrics" and "judged_items" in table.schema.names:
+        _check_judged_items(table, where)
     if table.num_rows:
         keys = table.select(list(k.keys)).group_by(list(k.keys)).aggregate([([], "count_all")])
         dup = keys.filter(pc.greater(keys.column("count_all"), 1))
@@ -430,6 +491,19 @@ def _check_meta_is_json(table: pa.Table, where: str) -> None:
             json.loads(meta)
         except ValueError:
             raise ArtifactError(f"{where}: column 'meta' of row {row} is not JSON") from None
+
+
+def _check_judged_items(table: pa.Table, where: str) -> None:
+    """A rubric's judged_items name its own items, each once, ascending: anything else would have the
+    judge and aggregation disagree on which verdicts a score is made of."""
+    for row, (items, judged) in enumerate(
+        zip(table.column("items").to_pylist(), table.column("judged_items").to_pylist(), strict=True)
+    ):
+        if any(not 0 <= m < len(items) for m in judged) or judged != sorted(set(judged)):
+            raise ArtifactError(
+                f"{where}: column 'judged_items' of row {row} is {judged}; expected distinct ascending item "
+                f"indices below the rubric's {len(items)} item(s)"
+            )
 
 
 # Columns where NaN is a value, not an error: a metric that is undefined for a round (no pairs to rank),

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
+import time
+from pathlib import Path
 from typing import NoReturn
 
 from dynamicrubric import logs
@@ -15,27 +18,34 @@ from dynamicrubric.stages.rerun import RerunError
 from dynamicrubric.store import StoreError
 
 MAX_ERROR_CHARS = 300  # an error echoes user data (an id, a path): a 4 MB id must not flood the terminal
+# A model server's failure is built from bounded parts (roles, URLs, counts, where calls.json is): the
+# line is printed whole up to this, so the place it names is never cut off.
+MAX_SERVED_ERROR_CHARS = 4000
 
 # Errors that describe bad input or an unusable store/config: their message is the whole story.
 USER_ERRORS = (ArtifactError, ConfigError, StoreError, LaunchError, RerunError, ValueError, OSError)
 
 
 def one_line(message: object, limit: int = MAX_ERROR_CHARS) -> str:
-    """`message` on one line (whitespace collapsed), cut to `limit` characters with a note of how many
-    more there were."""
+    """`message` on one line (whitespace collapsed), cut to `limit` characters in the middle with a
+    note of how many were left out: the start names what failed (a path), the end says why, and a long
+    path or id between them must not push the reason off the line."""
     text = " ".join(str(message).split())
     if len(text) <= limit:
         return text
-    keep = limit - len(f"... ({len(text)} more chars)")  # the count's width is at most this
-    return f"{text[:keep]}... ({len(text) - keep} more chars)"
+    keep = limit - len(f" ... ({len(text)} more chars) ... ")  # the count's width is at most this
+    tail = keep // 3
+    return f"{text[: keep - tail]} ... ({len(text) - keep} more chars) ... {text[len(text) - tail :]}"
 
 
 def describe_error(err: BaseException) -> str:
     """One line for the user. Bad-input errors say what is wrong themselves; anything else is named by
     its type, since it is a bug to report rather than an input to fix."""
-    from dynamicrubric.engines import EngineError
+    from dynamicrubric.engines import EngineError, ServedError
     from dynamicrubric.models import ModelError
 
+    if isinstance(err, ServedError):  # names a server, its counts and its record's place: all of it
+        return one_line(err, limit=MAX_SERVED_ERROR_CHARS)
     if isinstance(err, USER_ERRORS + (EngineError, ModelError)) and str(err):
         return one_line(err)
     return one_line(f"{type(err).__name__}: {err} (an internal error: rerun with -v for the traceback)")
@@ -66,9 +76,11 @@ def _config(args: argparse.Namespace):
 
 
 def _print_counts(stage: str, counts: dict) -> int:
+    # the numbers and names; what a stage hands its lineage (timings, traced sets) is MLflow's to show
+    shown = {k: v for k, v in counts.items() if not isinstance(v, list | dict)}
     print(
         f"{stage}: "
-        + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in counts.items())
+        + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
     )
     return 0
 
@@ -182,8 +194,84 @@ def cmd_run(args: argparse.Namespace) -> int:
         flush=True,
     )
     result = run_local(cfg, verbose=args.verbose, fresh=args.fresh)
-    sys.stdout.write(report(cfg, result))
+    page = ""
+    if result.parent_run_id and result.run_dirs:
+        from dynamicrubric.run_page import PAGE_NAME, write_page
+
+        started = time.perf_counter()
+        page = str(write_page(cfg, result.parent_run_id, Path(result.run_dirs[0]) / PAGE_NAME))
+        logging.getLogger(__name__).debug("run report page written in %.1f s", time.perf_counter() - started)
+    sys.stdout.write(report(cfg, result, page=page))
     return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """The run report page of a finished pipeline run (local or on a cluster), from MLflow."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    from dynamicrubric import tracking
+    from dynamicrubric.config import config_from_yaml
+    from dynamicrubric.run_page import write_page
+    from dynamicrubric.stages.rerun import pipeline_config
+
+    uri = _tracking_uri(args)
+    try:
+        parent = mlflow.MlflowClient(tracking_uri=uri).get_run(args.run_id)
+    except MlflowException:
+        raise SystemExit(f"error: {args.run_id}: no such MLflow run in {uri}") from None
+    if parent.data.tags.get(tracking.STAGE_TAG) != "pipeline":
+        raise SystemExit(f"error: {args.run_id} is not a pipeline's parent run (MLflow shows it under one)")
+    cfg = config_from_yaml(pipeline_config(uri, parent))
+    cfg = cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(update={"mlflow_tracking_uri": uri})})
+    with _mlflow_env(uri):
+        tracking.settle_spans(cfg, args.run_id)  # a cluster run has no `dynrubric run` to end its spans
+        path = write_page(cfg, args.run_id, args.out or f"report-{args.run_id}.html")
+    print(f"Run report: {path.resolve()}")
+    return 0
+
+
+def cmd_items_export(args: argparse.Namespace) -> int:
+    """The useful items (all with --all) of one round of a pipeline run, from its evaluate's `items`."""
+    from dynamicrubric.item_usefulness import export_format, export_items, find_items_artifact
+    from dynamicrubric.stages.rerun import check_existing_store
+    from dynamicrubric.stages.runner import preflight
+
+    if args.round_idx < 0:
+        raise ValueError(f"--round: expected 0 or more, got {args.round_idx}")
+    export_format(args.out)  # a wrong extension is refused before MLflow is opened
+    uri = _tracking_uri(args)
+    check_existing_store(uri)
+    found = find_items_artifact(uri, args.run, args.round_idx)
+    preflight(args.out, inputs=[found.uri])  # never over the artifact itself, nor a folder
+    written, total = export_items(found.uri, args.out, everything=args.all)
+    where = f"round {args.round_idx} of run {found.pipeline_run_id}"
+    if written == 0 and total:
+        print(
+            f"items export: none of round {args.round_idx}'s {total} items is useful; wrote an empty {args.out}"
+        )
+    elif written == 0:
+        print(f"items export: {where} has no rubric items; wrote an empty {args.out}")
+    else:
+        what = "items" if args.all else "useful items"
+        print(f"items export: wrote {written} of {total} items of {where} to {args.out} ({what})")
+    return 0
+
+
+@contextlib.contextmanager
+def _mlflow_env(uri: str):
+    """MLFLOW_TRACKING_URI set to `uri` (tracking_uri() reads it before the config) for a while."""
+    import os
+
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = before
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -312,9 +400,54 @@ def build_parser() -> argparse.ArgumentParser:
         help="a chained run: how often to ask whether a segment's run has ended (default: 30)",
     )
 
+    p = sub.add_parser(
+        "report", help="write the run report page (HTML) of a pipeline run from MLflow and log it to the run"
+    )
+    p.add_argument("run_id", metavar="RUN_ID", help="the pipeline's parent MLflow run id")
+    p.add_argument(
+        "--tracking-uri",
+        help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)",
+    )
+    p.add_argument("--out", metavar="FILE", help="where to write the page (default: report-RUN_ID.html)")
+    p.set_defaults(func=cmd_report)
+
+    items = sub.add_parser("items", help="rubric items of a pipeline run").add_subparsers(
+        dest="items_command", required=True, metavar="COMMAND"
+    )
+    p = items.add_parser(
+        "export",
+        help="write the items of a round that split its responses and agree with gold (JSONL or Parquet)",
+    )
+    p.add_argument("run", metavar="RUN", help="the pipeline's parent MLflow run id, or its run name")
+    p.add_argument("--round", type=int, required=True, dest="round_idx", metavar="N", help="the round")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="FILE",
+        help="FILE.jsonl (one item a line) or FILE.parquet (an artifact)",
+    )
+    p.add_argument(
+        "--tracking-uri",
+        help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)",
+    )
+    p.add_argument("--all", action="store_true", help="every item of the round, useful or not")
+    p.set_defaults(func=cmd_items_export)
+
     stage = sub.add_parser("stage", help="run one pipeline stage on artifact URIs (local paths or s3://)")
     _add_stage_parsers(stage.add_subparsers(dest="stage", required=True, metavar="NAME"))
     return parser
+
+
+def _end_progress_bars() -> None:
+    """A stage stopped or failed while a progress bar was open (a model's loading bar, say) left that
+    bar's line unfinished: closing the bars ends it, so the one error line starts a line of its own."""
+    import contextlib
+
+    with contextlib.suppress(Exception):
+        from tqdm import tqdm
+
+        for bar in list(getattr(tqdm, "_instances", ())):
+            bar.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,14 +455,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logs.setup(args.verbose)
     logs.skip_the_exit_collection()
+    from dynamicrubric.stopping import Stopped, raise_on_stop_signals
+
+    raise_on_stop_signals()
     try:
         return args.func(args)
+    except Stopped as e:  # Ctrl-C or a pod's stop: everything above has been cleaned up on the way
+        _end_progress_bars()
+        print(f"error: stopped by {e.name}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
+        _end_progress_bars()
         print("error: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
         if args.verbose:
             logging.exception("%s failed", args.command)
+        _end_progress_bars()
         print(f"error: {describe_error(e)}", file=sys.stderr)
         return 1
 

@@ -7,20 +7,24 @@ that name the key. Secrets never live here: S3 and MLflow credentials come from 
 
 from __future__ import annotations
 
+import math
 import os
 import reprlib
+from dataclasses import dataclass
 from enum import IntEnum
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from dynamicrubric.config_sections import (
     CACHE_MOUNT,
     DEFAULT_PRESET,
     GIB,
+    MAX_SAMPLES,
+    MAX_SEED,
     PRESETS,
     S3_ENV,
     STAGE_FACTS,
@@ -31,6 +35,7 @@ from dynamicrubric.config_sections import (
     EngineConfig,
     EvaluateConfig,
     EvaluatorTrainConfig,
+    GuardConfig,
     JudgeConfig,
     ModelsConfig,
     ModelSizes,
@@ -45,6 +50,7 @@ from dynamicrubric.config_sections import (
     ThinkingConfig,
     Toleration,
     TrainConfig,
+    quantity_bytes,
 )
 
 # The sections are part of this module's interface: `from dynamicrubric.config import TrainConfig`.
@@ -52,14 +58,18 @@ __all__ = [
     "AggregateConfig",
     "Config",
     "ConfigError",
+    "DiskPlan",
     "DEFAULT_PRESET",
     "DataConfig",
     "EngineConfig",
     "EvaluateConfig",
     "EvaluatorTrainConfig",
+    "GuardConfig",
     "GIB",
     "JudgeConfig",
     "MAX_CONFIG_DEPTH",
+    "MAX_SAMPLES",
+    "MAX_SEED",
     "ModelSizes",
     "ModelsConfig",
     "PRESETS",
@@ -79,8 +89,10 @@ __all__ = [
     "Toleration",
     "PolicyTrainConfig",
     "TrainConfig",
+    "check_disk_plan",
     "check_gpu_memory_plan",
     "config_from_yaml",
+    "disk_plan",
     "load_config",
     "policy_variant",
     "preset_dict",
@@ -93,7 +105,7 @@ __all__ = [
 
 class Config(Section):
     preset: str = DEFAULT_PRESET
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     models: ModelsConfig = ModelsConfig()
     engine: EngineConfig = EngineConfig()
     serving: ServingConfig = ServingConfig()
@@ -105,6 +117,7 @@ class Config(Section):
     train_evaluator: EvaluatorTrainConfig = EvaluatorTrainConfig(learning_rate=5e-6)
     train_policy: PolicyTrainConfig = PolicyTrainConfig(learning_rate=1e-6)
     evaluate: EvaluateConfig = EvaluateConfig()
+    guard: GuardConfig = GuardConfig()
     pipeline: PipelineConfig = PipelineConfig()
 
     @model_validator(mode="after")
@@ -117,6 +130,26 @@ class Config(Section):
                     f"engine.tensor_parallel_size is {tp} but pipeline.resources.{stage}.gpus is {gpus}: "
                     "on a cluster a task's tensor parallelism is its GPU count; leave tensor_parallel_size at 1"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _probe_sets_can_be_labelled(self) -> Config:
+        # The generator reads a candidate set's responses labelled A..Z: the guard's probe holds both
+        # policies' evaluate.samples, its canary sets one policy's plus the canaries.
+        if policy_variant(self) != "dynamic" or not self.guard.enabled:
+            return self
+        k = self.evaluate.samples
+        canaries = len(self.guard.canary_kinds)
+        if 2 * k > 26:
+            raise ValueError(
+                f"evaluate.samples is {k}: the signal guard's probe shows the generator both policies' "
+                "samples in one set, at most 26 (A..Z); set evaluate.samples to 13 or less"
+            )
+        if self.guard.canary_sets and k + canaries > 26:
+            raise ValueError(
+                f"evaluate.samples {k} plus {canaries} canaries (guard.canary_kinds) make sets of more than "
+                "26 responses (A..Z); use fewer samples or canary kinds, or guard.canary_sets: 0"
+            )
         return self
 
     @model_validator(mode="after")
@@ -140,6 +173,11 @@ class Config(Section):
         )
         if self.engine.engine == "vllm" and training_gpus:
             check_gpu_memory_plan(self)
+        return self
+
+    @model_validator(mode="after")
+    def _disk_plan_fits(self) -> Config:
+        check_disk_plan(self)  # the stages whose model sizes are known (models.params_b)
         return self
 
     def to_yaml(self) -> str:
@@ -169,6 +207,7 @@ class SeedPurpose(IntEnum):
     AUDIT_ROLLOUT = 4  # the held-out probe of the signal audit
     AUDIT_RUBRICS = 5  # both generators' rubrics in the audit (only the generator differs)
     REWARD_STEP = 7  # a trainer's reward call, offset per step (step_seed)
+    GUARD = 8  # the signal guard's choices: which sets get canaries, the audit's other order, resamples
 
 
 def round_seed(cfg: Config, round_idx: int, purpose: SeedPurpose) -> int:
@@ -246,6 +285,20 @@ class _ConfigLoader(yaml.SafeLoader):
             return super().compose_node(parent, index)
         finally:
             self.depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        # PyYAML keeps the last of two equal keys without a word: `k: 8` then `k: 1000` further down
+        # silently means 1000. A config says each key once.
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if isinstance(key, str | int | float | bool):
+                    if key in seen:
+                        raise _Refused(f"line {line}: key {key!r} repeats the one on line {seen[key]}")
+                    seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def load_config(
@@ -397,3 +450,106 @@ def check_gpu_memory_plan(cfg: Config) -> None:
                 )
     if problems:
         raise ValueError("the GPU memory plan does not fit: " + "; ".join(problems))
+
+
+def trained_role(stage: str) -> str:
+    """The model a training stage trains: the policy's stage the policy, the evaluator's the generator."""
+    reward_roles(stage)  # refuses a stage that does not train
+    return "policy" if stage == "train_policy" else "generator"
+
+
+# The disk plan's bytes a parameter takes (docs/training.md, "Disk plan").
+STORED_BYTES_PER_PARAM = 2  # a staged or exported model: bf16, as every model of the plans is stored
+# A trainer checkpoint: fp32 weights (accelerate's FSDP2 upcasts the trained parameters to fp32 masters
+# under bf16 mixed precision; without FSDP the weights and Adam state are bf16, 6 B: this bounds it) and
+# AdamW's two fp32 moments, 4 + 4 + 4.
+CHECKPOINT_BYTES_PER_PARAM = 12
+# A LoRA adapter of rank r on an in x out linear layer has r(in + out) parameters, at most 2r / 1,024 of
+# the layer's in x out when both sides are 1,024 wide or more (the narrowest layers of Qwen3 and Llama 3
+# are the KV projections, 8 heads x 128); embeddings get no adapter. So r=16 trains at most 3.1%.
+LORA_MIN_WIDTH = 1024
+DISK_MARGIN = 0.10  # on top of the sum: the tokenizer files, vLLM's and torch's scratch, rounding
+
+
+@dataclass(frozen=True)
+class DiskPlan:
+    """What the model-cache volume of one training pod (the task, or each TrainJob node) must hold at most,
+    in GiB: the staged models, the trainer checkpoints on its disk at once (each its node's share of the
+    DCP shards), the exported model, and a margin."""
+
+    stage: str
+    staged: dict[str, float]  # role -> its staged bf16 weights
+    checkpoint_gib: float  # one trainer checkpoint's share on one node
+    copies: int  # how many of them can be on the node's disk at once
+    export_gib: float
+    nodes: int
+
+    @property
+    def total_gib(self) -> float:
+        return sum(self.staged.values()) + self.copies * self.checkpoint_gib + self.export_gib
+
+    @property
+    def need_gib(self) -> float:
+        return self.total_gib * (1 + DISK_MARGIN)
+
+    def describe(self) -> str:
+        share = f" / {self.nodes} nodes" if self.nodes > 1 else ""
+        return (
+            f"staged {', '.join(self.staged)} {sum(self.staged.values()):.1f} GiB (2 B/param) + {self.copies} "
+            f"trainer checkpoints{share} (fp32 weights + Adam, 12 B/trained param) {self.copies} x "
+            f"{self.checkpoint_gib:.1f} GiB + the export {self.export_gib:.1f} GiB + {DISK_MARGIN:.0%} margin"
+        )
+
+
+def disk_plan(cfg: Config, stage: str) -> DiskPlan | None:
+    """The disk plan of a training stage's pod; None where a model's size (models.params_b) is unknown.
+
+    - staged: the trained model and the reward models the pod serves (`served_roles`), each in bf16, on
+      every node (each serves its own copies). The reference model is the starting model's own folder
+      (with LoRA the adapter switched off), so it adds nothing.
+    - trainer checkpoints: TRL writes one every save_steps into the scratch folder inside the model
+      cache; the callback uploads it and deletes it before the next (training/checkpoints.py). A resumed
+      pod keeps the checkpoint it resumed from beside the next one until the stage ends: 2 at once. On
+      several nodes each node writes its ranks' DCP shards, 1 / num_nodes of the checkpoint, but a node
+      other than the first resumes from the first node's part and its own: 3 shares at once there.
+      Full finetune: every parameter is trained; LoRA: at most 2 x lora_rank / LORA_MIN_WIDTH of them.
+    - the export: the trained model in bf16, written by the first node (counted on every node).
+    """
+    trained = trained_role(stage)
+    roles = (trained, *(r for r in served_roles(cfg, stage) if r != trained))
+    sizes = {role: getattr(cfg.models.params_b, role) for role in roles}
+    if any(size is None for size in sizes.values()):
+        return None
+    tcfg: TrainConfig = getattr(cfg, stage)
+    params = sizes[trained] * 1e9
+    trained_params = (
+        params if not tcfg.lora_rank else min(params, params * 2 * tcfg.lora_rank / LORA_MIN_WIDTH)
+    )
+    staged = {role: size * 1e9 * STORED_BYTES_PER_PARAM / GIB for role, size in sizes.items()}
+    return DiskPlan(
+        stage=stage,
+        staged=staged,
+        checkpoint_gib=trained_params * CHECKPOINT_BYTES_PER_PARAM / GIB / tcfg.num_nodes,
+        copies=2 if tcfg.num_nodes == 1 else 3,
+        export_gib=staged[trained],
+        nodes=tcfg.num_nodes,
+    )
+
+
+def check_disk_plan(cfg: Config) -> None:
+    """Refuse a config whose training pods' model-cache volume (`pipeline.model_cache_size`, which holds
+    the trainer's scratch folder too) cannot hold its disk plan, with one error naming the numbers."""
+    size = quantity_bytes(cfg.pipeline.model_cache_size) / GIB
+    problems = []
+    for stage in ("train_policy", "train_evaluator"):
+        plan = disk_plan(cfg, stage)
+        if plan is None or plan.need_gib <= size:
+            continue
+        pod = f"each of its {plan.nodes} nodes'" if plan.nodes > 1 else "its pod's"
+        problems.append(
+            f"{stage}: {pod} {CACHE_MOUNT} needs {plan.need_gib:.1f} GiB > pipeline.model_cache_size "
+            f"{cfg.pipeline.model_cache_size} ({size:.1f} GiB): {plan.describe()}; set model_cache_size to "
+            f"{math.ceil(plan.need_gib)}Gi or more"
+        )
+    if problems:
+        raise ValueError("the disk plan does not fit: " + "; ".join(problems))

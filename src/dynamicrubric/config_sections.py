@@ -14,11 +14,36 @@ PRESETS = ("tiny", "local", "paper")
 # task's tensor parallelism is the number of GPUs its pod was given (see config_from_yaml).
 TENSOR_PARALLEL_ENV = "DYNRUBRIC_TENSOR_PARALLEL_SIZE"
 GIB = 2**30
+# numpy's seeds are 0..2**32-1 (transformers seeds numpy, torch and random with the trainer's seed); a
+# larger one failed only after the models had loaded. Derived seeds (round_seed) still fit an int64.
+MAX_SEED = 2**32 - 1
+# Responses per prompt, rubric samples per set: each one is a generation, so a count in the millions
+# ran for hours; far above any setting in the paper's runs, a typo rather than a plan.
+MAX_SAMPLES = 256
 # The S3 credentials and endpoint every pod that reads or writes the store gets from
 # `pipeline.s3_secret` (the store reads them: store/__init__.py).
 S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
 # Where a cluster pod that loads models mounts its sized scratch volume for the model cache.
 CACHE_MOUNT = "/model-cache"
+# Kubernetes quantity suffixes (as in "100Gi", "1.5T"), in bytes.
+_QUANTITY_UNITS = {
+    "": 1,
+    **{s: 1024**i for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"), start=1)},
+    **{s: 1000**i for i, s in enumerate(("k", "M", "G", "T", "P", "E"), start=1)},
+}
+
+
+def quantity_bytes(quantity: str) -> float:
+    """A Kubernetes storage quantity ("100Gi", "500G", "1.5Ti") in bytes; ValueError naming it otherwise."""
+    number = quantity.strip().rstrip("KMGTPEik")
+    unit = quantity.strip()[len(number) :]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _QUANTITY_UNITS or not value >= 0 or value == float("inf"):
+        raise ValueError(f"{quantity!r} is not a Kubernetes quantity such as 300Gi or 500G")
+    return value * _QUANTITY_UNITS[unit]
 
 
 class ConfigError(ValueError):
@@ -65,8 +90,12 @@ class ModelsConfig(Section):
     # ids). "": the training stages serve it themselves on `train_*.reward_gpus`, or load it in-process.
     generator_url: str = ""
     verifier_url: str = ""
+    # The signal guard's gold for held-out prompts without a checker (guard.py): a team's judge behind an
+    # OpenAI-compatible server, asked pointwise ("is this response good?") with the verifier's model
+    # reference naming its tokenizer. "": the round-0 evaluator (the base generator's rubrics, judged by V).
+    reference_judge_url: str = ""
 
-    @field_validator("generator_url", "verifier_url")
+    @field_validator("generator_url", "verifier_url", "reference_judge_url")
     @classmethod
     def _http_url(cls, value: str) -> str:
         if value and not value.startswith(("http://", "https://")):
@@ -99,9 +128,12 @@ class ServingConfig(Section):
 
     concurrency: int = Field(32, ge=1)  # requests in flight per server
     request_prompts: int = Field(16, ge=1)  # prompts per /v1/completions request
-    request_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False)  # one HTTP request
-    # A request that times out, cannot connect or gets a 429/5xx is retried with exponential backoff until
-    # this many seconds after its first try; then its verdicts count as failed (never as 0).
+    # One HTTP request's wall-clock bound, from connecting to its last byte (a server that trickles bytes
+    # is cut off too).
+    request_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False)
+    # A request that times out, cannot connect, gets a 429/5xx, a cut body or an aborted reply is retried
+    # with exponential backoff; all of a training step's requests to one role (one call's, outside a
+    # step) end within this many seconds, retries included; then their verdicts count as failed (never 0).
     deadline_s: float = Field(600.0, gt=0, allow_inf_nan=False)
     # A training step whose groups lost verdicts above this share fails with one line naming the counts;
     # below it, those groups get no reward (TRL leaves them out of the advantage).
@@ -125,11 +157,11 @@ class DataConfig(Section):
     anchors: list[str] = []  # Nectar-format or anchors-artifact files used for R_anchor
     anchors_from_outcomes: bool = True  # also rank rollouts by verifiable correctness for R_anchor
     labelled: list[str] = []  # held-out pairs / ranked lists for evaluator accuracy
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=MAX_SEED)
 
 
 class RolloutConfig(Section):
-    k: int = Field(8, ge=2)
+    k: int = Field(8, ge=2, le=MAX_SAMPLES)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(128, ge=1)
@@ -138,13 +170,21 @@ class RolloutConfig(Section):
 class RubricsConfig(Section):
     variant: Literal["dynamic", "static"] = "dynamic"
     num_items: int = Field(6, ge=1, le=32)  # M: the most items kept from one rubric
-    samples: int = Field(1, ge=1)  # G rubric samples per candidate set when scoring the policy
-    train_samples: int = Field(4, ge=2)  # G when the samples feed the generator's GRPO
+    samples: int = Field(
+        1, ge=1, le=MAX_SAMPLES
+    )  # G rubric samples per candidate set when scoring the policy
+    train_samples: int = Field(4, ge=2, le=MAX_SAMPLES)  # G when the samples feed the generator's GRPO
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(256, ge=16)
     max_response_chars: int = Field(1200, ge=50)  # each response is cut to this in the generator prompt
     constrained: bool = True  # decode rubrics into their JSON schema (constrained.rubric_schema)
+    # With several rubric samples of one candidate set (`samples` > 1), each sample reads the K responses
+    # in its own seeded order (one generator prompt per sample), so that no position is favoured; false:
+    # every sample reads the set's one seeded order. One sample reads that order either way. The
+    # generator's own training (`train_samples`) never splits its prompt: a GRPO group is G samples of
+    # one prompt.
+    shuffle: bool = True
 
 
 class JudgeConfig(Section):
@@ -153,6 +193,11 @@ class JudgeConfig(Section):
     variant: Literal["rubric", "pointwise", "verifiable"] = "rubric"
     batch_size: int = Field(32, ge=1)
     max_response_chars: int = Field(2000, ge=50)
+    # Rubric item dropout in the policy's reward (train-policy, rubric variants): each step the verifier
+    # judges a seeded subset of each rubric's items, the same for every response of the group, this
+    # share of them left out (at least one item kept); the score is Σ w·v / Σ w over the kept items.
+    # Scoring elsewhere (the signal audit, evaluate, the generator's rewards) judges every item.
+    item_dropout: float = Field(0.0, ge=0, lt=1)
 
 
 class AggregateConfig(Section):
@@ -186,6 +231,11 @@ class TrainConfig(Section):
     # Nodes the stage trains on. Above 1 the KFP task submits a Kubeflow Trainer TrainJob (training/trainjob.py)
     # with world_size / num_nodes processes, and GPUs, on each node.
     num_nodes: int = Field(1, ge=1)
+    # How long the nodes of a several-node stage wait for each other in torchrun's rendezvous (static:
+    # rank 0's TCPStore) before the launch fails. Each node first stages its models from the store and
+    # starts its reward servers (up to serving.start_timeout_s), and they do not finish together: torch's
+    # 600 s default would fail a node that a slow download or a late-scheduled pod holds up.
+    rendezvous_timeout_s: int = Field(3600, ge=1)
     # GPUs that serve the reward's models (G and V, `vllm serve`) instead of training, over all nodes:
     # a pod requests (world_size + reward_gpus) / num_nodes GPUs, and each node serves its own copies on
     # its share. 0: the reward loads its models in-process (CPU) or uses models.generator_url / verifier_url.
@@ -198,7 +248,18 @@ class TrainConfig(Section):
     # layers. Only the plan reads it; raise it for longer sequences or larger micro-batches.
     activation_memory_gib: float = Field(16.0, ge=0)
     torch_threads: int | None = Field(None, ge=1)  # None: torch's default
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=MAX_SEED)
+    # How long a training process waits in a collective before the job aborts (the process group's
+    # timeout; torch's NCCL default is 600 s). Waits on store transfers are not collectives of this group
+    # (wait_timeout_s). Not part of a checkpoint's config digest.
+    process_group_timeout_s: int = Field(3600, ge=10)
+    # How long a rank waits for another rank's work that is not a collective of the accelerators: rank 0's
+    # upload of a trainer checkpoint, a node's first process's download of it on resume, rank 0's export,
+    # and the scores rank 0 asks the served reward models for (which the ledger bounds by
+    # serving.deadline_s a role). They wait on a gloo group of their own (training/cpu_waits.py), not in
+    # the accelerator group that process_group_timeout_s bounds; a rank that dies ends the wait at once.
+    # Not part of a checkpoint's config digest.
+    wait_timeout_s: int = Field(6 * 3600, ge=60)
 
     @model_validator(mode="after")
     def _whole_nodes(self) -> TrainConfig:
@@ -238,9 +299,37 @@ class EvaluatorTrainConfig(TrainConfig):
     anchor_weight: float = Field(1.0, ge=0)  # lambda: weight of the anchor advantage
 
 
+CANARY_KINDS = ("padded", "master_key", "format_only", "empty", "restated")
+
+
+class GuardConfig(Section):
+    """The signal guard: every round's evaluate stage checks whether the round's evaluator can still be
+    trusted (guard.py has the measures and the alarm's rules)."""
+
+    # Off: no guard measures (the win rate still compares one sample of each policy), for a run that
+    # cannot spare the evaluate stage's extra work.
+    enabled: bool = True
+    # What the alarm does: warn (a log line and an MLflow tag), stop (no later round runs), rollback (the
+    # next round starts from the last healthy round's policy and generator).
+    action: Literal["warn", "stop", "rollback"] = "warn"
+    # The alarm fires when a share of canaries above this beats or ties its original ...
+    canary_max: float = Field(0.2, ge=0, le=1)
+    # ... or when the round's evaluator moves a response's score by more than this on average when the
+    # same responses are shown to the generator in another order.
+    order_max: float = Field(0.2, ge=0, le=1)
+    # Held-out candidate sets that get canaries each round (0: no canaries), and which kinds: one canary
+    # of each kind a set (3: each of guard.MASTER_KEYS once a round).
+    canary_sets: int = Field(3, ge=0, le=MAX_SAMPLES)
+    canary_kinds: list[Literal["padded", "master_key", "format_only", "empty", "restated"]] = list(
+        CANARY_KINDS
+    )
+    order_audit: bool = True
+    bootstrap: int = Field(1000, ge=100, le=100_000)  # resamples for the intervals
+
+
 class EvaluateConfig(Section):
     variants: list[Literal["dynamic", "static", "pointwise"]] = ["dynamic", "static", "pointwise"]
-    samples: int = Field(4, ge=1)  # k for avg@k / pass@k
+    samples: int = Field(4, ge=1, le=MAX_SAMPLES)  # k for avg@k / pass@k
     sandbox_timeout_s: float = Field(10.0, gt=0)
     win_rate: bool = True
 
@@ -314,6 +403,8 @@ STAGE_FACTS: dict[str, StageFacts] = {
     "evaluate_samples": StageFacts(StageResources(cpu="2", memory="8Gi"), **_INFERENCE),
     "check_samples": StageFacts(StageResources(cpu="2", memory="4Gi", timeout_s=3600), runs_code=True),
     "evaluate": StageFacts(StageResources(cpu="2", memory="8Gi"), **_INFERENCE, runs_code=True),
+    # reads the guard's verdict and writes two small folders that name checkpoints: no model is read
+    "rollback": StageFacts(StageResources(cpu="500m", memory="1Gi", timeout_s=900)),
 }
 
 
@@ -329,6 +420,12 @@ class PipelineConfig(Section):
     pipeline_root: str = "./runs"
     mlflow_tracking_uri: str = "sqlite:///mlflow.db"
     experiment: str = "dynamicrubric"
+    # Judged candidate sets the evaluate stage logs as MLflow traces (and the run report's sample
+    # browser shows), per round: a few dozen to read, never the whole data. 0: none.
+    traced_sets: int = Field(24, ge=0, le=1000)
+    # The trainers' steps whose judged sets their MLflow runs log as traces too (up to traced_sets a
+    # stage): steps 1, 1 + N, 1 + 2N, ... 0: none.
+    traced_steps_every: int = Field(10, ge=0)
     caching: bool = True
     # Stop before the next round once the policy's scores tie this often (the signal has collapsed);
     # None compiles no condition.
@@ -347,9 +444,16 @@ class PipelineConfig(Section):
     service_account: str = ""
     shm_size: str = "16Gi"
     # Tasks that load models get a scratch volume (emptyDir) of this size for the staged base weights
-    # (DYNRUBRIC_CACHE) and the hub cache (HF_HOME); a pod that writes more is evicted.
+    # (DYNRUBRIC_CACHE), the hub cache (HF_HOME) and a training task's local trainer checkpoints and
+    # export (config.disk_plan sizes it; a pod that writes more is evicted).
     model_cache_size: str = "64Gi"
     resources: dict[str, StageResources] = {}
+
+    @field_validator("shm_size", "model_cache_size")
+    @classmethod
+    def _quantity(cls, value: str) -> str:
+        quantity_bytes(value)
+        return value
 
     @field_validator("resources")
     @classmethod

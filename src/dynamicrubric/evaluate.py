@@ -26,7 +26,6 @@ import os
 import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,23 +39,24 @@ from dynamicrubric.engines import Engine, load_engine
 from dynamicrubric.evaluation_metrics import (
     evaluator_metrics,
     pair_credits,
-    pairwise_accuracy,
     policy_metrics,
-    rankable,
     win_credits,
     win_rate,
 )
+from dynamicrubric.guard import GUARD, guarded
+from dynamicrubric.item_usefulness import summarise as summarise_items
 from dynamicrubric.judge import run_judge
-from dynamicrubric.labelled import OUTCOMES_PREFIX, load_labelled, outcome_lists
+from dynamicrubric.labelled import accuracy_by_origin, as_rollouts, labelled_lists
 from dynamicrubric.plots import write_plots
+from dynamicrubric.probe import ACTION_WORDS, EvalJob, guard_jobs, guard_record, guard_report, probe_items
 from dynamicrubric.rollout import sample_rollouts
 from dynamicrubric.rubrics import run_rubrics
+from dynamicrubric.traced_sets import traced_sets
 
 log = logging.getLogger(__name__)
 
 
 EVALUATOR_VARIANTS = ("dynamic", "static", "pointwise")
-MAX_LIST_SIZE = 26  # the dynamic generator labels responses A..Z
 
 
 # --------------------------------------------------------------------------------------------------
@@ -108,26 +108,42 @@ def sample_held_out(
     previous_policy: str | None,
     seed: int,
 ) -> pd.DataFrame:
-    """The policy's `evaluate.samples` responses per held-out prompt (sample_idx 0..k-1) and, for the
-    win rate, sample 0 of the same seed from the previous policy, stored at sample_idx k (with
-    identical weights both policies give identical responses): one rollouts frame, so one artifact
+    """The policy's `evaluate.samples` k responses per held-out prompt (sample_idx 0..k-1) and the
+    previous policy's k of the same seed (k..2k-1; with identical weights both policies give identical
+    responses), for the win rate and the signal guard's probe: one rollouts frame, so one artifact
     carries the stage's samples from the GPU task that makes them to the tasks that check and score."""
     ev = cfg.evaluate
     sample_cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"k": ev.samples})})
     samples = sample_rollouts(pool.get(policy), prompts, sample_cfg, seed=seed, policy=policy)
-    if previous_policy is None or not ev.win_rate:
+    if previous_policy is None or not (ev.win_rate or guarded(cfg)):
         return samples
-    prev_cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"k": 1})})
+    # k samples for the guard's probe; the win rate alone compares sample 0 of each
+    k = ev.samples if guarded(cfg) else 1
+    previous_cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"k": k})})
     previous = sample_rollouts(
-        pool.get(previous_policy), prompts, prev_cfg, seed=seed, policy=previous_policy
+        pool.get(previous_policy), prompts, previous_cfg, seed=seed, policy=previous_policy
     )
-    return pd.concat([samples, previous.assign(sample_idx=np.int32(ev.samples))], ignore_index=True)
+    return pd.concat(
+        [samples, previous.assign(sample_idx=previous["sample_idx"] + np.int32(ev.samples))],
+        ignore_index=True,
+    )
 
 
-def split_samples(samples: pd.DataFrame, cfg: Config) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """`sample_held_out`'s frame as (the policy's samples, the previous policy's at sample_idx 1)."""
-    current = samples["sample_idx"] < cfg.evaluate.samples
-    return samples[current], samples[~current].assign(sample_idx=np.int32(1))
+def split_samples(samples: pd.DataFrame, cfg: Config, source: str = "") -> tuple[pd.DataFrame, pd.DataFrame]:
+    """`sample_held_out`'s frame as (the policy's samples, the previous policy's renumbered 0..k-1).
+    Samples read from `source` must be of this config's evaluate.samples k: the policy's are 0..k-1,
+    the previous policy's k..2k-1. More (drawn with a larger k) would be taken for the wrong policy's."""
+    k = cfg.evaluate.samples
+    top = int(samples["sample_idx"].max()) if len(samples) else 0
+    if top > 2 * k - 1:
+        raise ValueError(
+            f"{source or 'samples'}: sample_idx goes up to {top}, but evaluate.samples is {k} (the "
+            f"policy's samples are 0..{k - 1}, the previous policy's {k}..{2 * k - 1}): evaluate them with "
+            "the config that drew them"
+        )
+    current = samples["sample_idx"] < k
+    previous = samples[~current]
+    return samples[current], previous.assign(sample_idx=previous["sample_idx"] - np.int32(k))
 
 
 def check_samples(samples: pd.DataFrame, prompts: pd.DataFrame, timeout_s: float) -> pd.DataFrame:
@@ -164,85 +180,8 @@ def check_samples(samples: pd.DataFrame, prompts: pd.DataFrame, timeout_s: float
     return outcomes
 
 
-def _as_rollouts(anchors: pd.DataFrame) -> pd.DataFrame:
-    """A rollouts-shaped frame of labelled lists (prompt_id = list_id), for the rubric and judge stages."""
-    return pd.DataFrame(
-        {
-            "prompt_id": anchors["list_id"].astype(str),
-            "sample_idx": anchors["sample_idx"].astype(np.int32),
-            "prompt": anchors["prompt"],
-            "response": anchors["response"],
-            "num_tokens": np.zeros(len(anchors), dtype=np.int32),
-            "finish_reason": "stop",
-            "policy": anchors["source"],
-            "seed": 0,
-        }
-    )
-
-
-def _labelled_lists(
-    scored: pd.DataFrame, prompts: pd.DataFrame, labelled_uris: Sequence[str]
-) -> tuple[pd.DataFrame, dict[str, float]]:
-    """Every labelled list usable for accuracy, and counts of what was kept and skipped.
-
-    List ids are prefixed by where they come from ("outcomes:", "file<i>:") so that a user's list id
-    cannot collide with a prompt id. Lists with fewer than two distinct ranks, or more responses than
-    the generator can label, are skipped and counted.
-    """
-    parts = [
-        outcome_lists(scored, prompts).pipe(lambda df: df.assign(list_id=OUTCOMES_PREFIX + df["list_id"]))
-    ]
-    for i, uri in enumerate(labelled_uris):
-        user = load_labelled(uri)
-        log.info("evaluate: %d labelled list(s) from %s", user["list_id"].nunique(), uri)
-        parts.append(user.assign(list_id=f"file{i}:" + user["list_id"].astype(str)))
-    lists = pd.concat([p[list(tasks.ANCHOR_COLUMNS)] for p in parts], ignore_index=True)
-    total = lists["list_id"].nunique()
-    too_big = lists.groupby("list_id")["sample_idx"].transform("size") > MAX_LIST_SIZE
-    if too_big.any():
-        log.warning(
-            "evaluate: skipping %d labelled list(s) of more than %d responses",
-            lists.loc[too_big, "list_id"].nunique(),
-            MAX_LIST_SIZE,
-        )
-    kept = rankable(lists[~too_big]).reset_index(drop=True)
-    num_kept = kept["list_id"].nunique()
-    counts = {
-        "labelled_lists": float(num_kept),
-        "labelled_lists_skipped": float(total - num_kept),
-        "labelled_lists_outcomes": float(
-            kept["list_id"].str.startswith(OUTCOMES_PREFIX).groupby(kept["list_id"]).any().sum()
-        ),
-    }
-    return kept, counts
-
-
-def _accuracy_by_origin(lists: pd.DataFrame) -> dict[str, float]:
-    """Pairwise accuracy on the user's files alone and on the policy's outcome lists alone.
-
-    The files are a fixed held-out set, comparable from round to round; the outcome lists are the
-    current policy's own samples and change with it. NaN (later dropped) when one side has no pair.
-    """
-    from_outcomes = lists["list_id"].str.startswith(OUTCOMES_PREFIX)
-    return {
-        "pairwise_accuracy_labelled": pairwise_accuracy(lists[~from_outcomes]),
-        "pairwise_accuracy_outcomes": pairwise_accuracy(lists[from_outcomes]),
-    }
-
-
-@dataclass
-class _EvalJob:
-    """One set of responses scored by one evaluator variant, through temporary artifacts."""
-
-    name: str
-    rollouts: pd.DataFrame
-    variant: str
-    rollouts_uri: str = ""
-    rubrics_uri: str | None = None
-
-
 def _evaluator_scores(
-    jobs: list[_EvalJob],
+    jobs: list[EvalJob],
     cfg: Config,
     workdir: Path,
     engines: _Engines,
@@ -255,42 +194,59 @@ def _evaluator_scores(
     score_hard); `score` is the configured verdicts' (aggregate.soft), the other two both kinds.
 
     Runs the rubric and judge stages in process on temporary artifacts (so the evaluate stage measures
-    exactly what the training rounds use): first every job's rubrics with the generator, then every
+    exactly what the training rounds use): first every job's rubrics, grouped by generator, then every
     job's judgments with the verifier, so each model is loaded once. Scores of several rubric samples
     are averaged."""
     for job in jobs:
         job.rollouts_uri = str(workdir / f"{job.name}.rollouts.parquet")
         write_artifact(job.rollouts_uri, "rollouts", job.rollouts)
-    for job in jobs:
+    # The stage's generator first, then any other (sorted is stable: jobs keep their order within one).
+    for job in sorted(jobs, key=lambda j: (j.generator is not None, j.generator or "")):
         if job.variant != "pointwise":
             job.rubrics_uri = str(workdir / f"{job.name}.rubrics.parquet")
+            writer = job.generator or generator
             run_rubrics(
                 job.rollouts_uri,
                 job.rubrics_uri,
                 cfg,
-                generator=generator,
+                generator=writer,
                 variant=job.variant,
                 seed=seed,
-                engine=engines.get(generator),
+                engine=engines.get(writer),
             )
     out = {}
-    for job in jobs:
+    for job in sorted(jobs, key=lambda j: bool(j.verifier_url)):
         judgments_uri = str(workdir / f"{job.name}.judgments.parquet")
         variant = "pointwise" if job.rubrics_uri is None else "rubric"
         judge_cfg = cfg.model_copy(update={"judge": cfg.judge.model_copy(update={"variant": variant})})
+        if job.verifier_url:  # a judge endpoint: a client, not a model to hold
+            engines.release()
+            engine = load_engine(
+                verifier, cfg.engine, url=job.verifier_url, serving=cfg.serving, role="reference judge"
+            )
+        else:
+            engine = engines.get(verifier)
         run_judge(
             job.rollouts_uri,
             judgments_uri,
             judge_cfg,
             rubrics_uri=job.rubrics_uri,
             verifier=verifier,
-            engine=engines.get(verifier),
+            engine=engine,
         )
+        if job.verifier_url:
+            engine.close()
         inputs = (
             read_artifact(judgments_uri, "judgments"),
             read_artifact(job.rollouts_uri, "rollouts"),
             read_artifact(job.rubrics_uri, "rubrics") if job.rubrics_uri else None,
         )
+        if job.rubrics_uri:
+            job.judged = (
+                read_frame(job.rubrics_uri, "rubrics"),
+                read_frame(judgments_uri, "judgments"),
+                score_responses(*inputs, soft=cfg.aggregate.soft),
+            )
         by_kind = {
             f"score_{name}": score_responses(*inputs, soft=soft)
             .groupby(["prompt_id", "sample_idx"], as_index=False)["score"]
@@ -320,6 +276,10 @@ def run_evaluate(
     out_units_uri: str | None = None,
     samples_uri: str | None = None,
     outcomes_uri: str | None = None,
+    out_guard_uri: str | None = None,
+    out_items_uri: str | None = None,
+    previous_units_uri: str | None = None,
+    reference_generator: str | None = None,
 ) -> dict[str, float]:
     """The evaluate stage; returns every metric as a flat dict "<variant>/<name>" -> value.
 
@@ -334,6 +294,13 @@ def run_evaluate(
     are user files of anchors artifacts, Nectar answers or chosen/rejected pairs (JSONL or Parquet).
     `samples_uri` (a rollouts artifact of `sample_held_out`) and `outcomes_uri` (of `check_samples`)
     are the first two phases done by earlier tasks; without them they run here.
+
+    The signal guard (guard.py, probe.py) adds its numbers as the "guard" variant's metrics and units
+    (`guard/healthy` is always there: 1 where the guard found nothing or did not measure);
+    `out_guard_uri` gets its verdict as a `guard` artifact, `out_items_uri` the probe rubric's items'
+    `item_usefulness` (their summary is the "items" variant's metrics), `previous_units_uri` (the previous round's
+    units) gives it the previous round's agreement, and `reference_generator` (default: the config's
+    generator) writes the gold's rubrics for prompts without a checker.
     """
     ev = cfg.evaluate
     variants = list(dict.fromkeys(ev.variants))  # each once, in the configured order
@@ -349,32 +316,36 @@ def run_evaluate(
     rows: list[tuple[str, str, float]] = []  # (variant, name, value)
     units: list[pd.DataFrame] = []  # (variant, measure, unit_id, value)
 
-    # (1) The policy samples k responses per held-out prompt; each is scored by its task's checker.
-    # On GPUs these are tasks of their own (evaluate-samples, check-samples: code runs in a CPU pod).
+    # (1) The policy samples k responses per held-out prompt; each is scored by its task's checker, and
+    # so are the previous policy's (the guard's gold). On GPUs these are tasks of their own
+    # (evaluate-samples, check-samples: code runs in a CPU pod).
     if samples_uri:
         samples = read_frame(samples_uri, "rollouts")
     else:
         samples = sample_held_out(
             cfg, prompts, pool, policy=policy, previous_policy=previous_policy, seed=seed
         )
-    rollouts, previous = split_samples(samples, cfg)
+    rollouts, _ = split_samples(samples, cfg, samples_uri or "")
     if outcomes_uri:
         outcomes = read_frame(outcomes_uri, "outcomes")
     else:
-        outcomes = check_samples(rollouts, prompts, ev.sandbox_timeout_s)
-    scored = outcomes[outcomes["score"].notna()].merge(
+        outcomes = check_samples(samples, prompts, ev.sandbox_timeout_s)
+    current_outcomes = outcomes[outcomes["sample_idx"] < ev.samples]
+    scored = current_outcomes[current_outcomes["score"].notna()].merge(
         rollouts[["prompt_id", "sample_idx", "response"]], on=["prompt_id", "sample_idx"], how="left"
     )
-    rows.append(("policy", "unscored", float(len(outcomes) - len(scored))))
+    rows.append(("policy", "unscored", float(len(current_outcomes) - len(scored))))
     rows += [("policy", name, value) for name, value in policy_metrics(scored, ev.samples).items()]
     per_prompt = scored.groupby("prompt_id", sort=True)["score"].mean()
     units.append(_units("policy", "avg_at_k", per_prompt.index, per_prompt.to_numpy()))
     rows.append(("policy", "samples", float(len(scored))))
 
-    # (2) Labelled lists scored by each evaluator variant, and (3) the win rate over the previous
-    # policy, judged by a dynamic rubric over the pair: one generator phase, one verifier phase.
-    lists, counts = _labelled_lists(scored, prompts, labelled_uris)
-    jobs: list[_EvalJob] = []
+    # (2) Labelled lists scored by each evaluator variant, and (3) the probe: every held-out prompt's
+    # samples of both policies as one candidate set, scored by the round's evaluator (the win rate and
+    # the signal guard's gold probe), with the guard's canary and order sets: one generator phase, one
+    # verifier phase.
+    lists, counts = labelled_lists(scored, prompts, labelled_uris)
+    jobs: list[EvalJob] = []
     if lists.empty:
         log.warning(
             "evaluate: no labelled list with two distinct outcomes (%d skipped); evaluator metrics "
@@ -383,14 +354,17 @@ def run_evaluate(
             variants,
         )
     else:
-        as_rollouts = _as_rollouts(lists)
-        jobs += [_EvalJob(f"labelled-{v}", as_rollouts, v) for v in variants]
-    if len(previous):
-        current = rollouts[rollouts["sample_idx"] == 0]
-        pair = pd.concat([current, previous], ignore_index=True).sort_values(
-            ["prompt_id", "sample_idx"], kind="stable"
-        )
-        jobs.append(_EvalJob("win-rate", pair, "dynamic"))
+        listed = as_rollouts(lists)
+        ranks = {
+            (str(a), int(b)): int(c)
+            for a, b, c in lists[["list_id", "sample_idx", "rank"]].itertuples(index=False)
+        }
+        jobs += [EvalJob(f"labelled-{v}", listed, v, gold=ranks) for v in variants]
+    has_previous = bool((samples["sample_idx"] >= ev.samples).any())
+    probe_jobs = guard_jobs(cfg, samples, prompts, outcomes, reference_generator or generator, round_idx)
+    if not guarded(cfg) and not (has_previous and ev.win_rate):
+        probe_jobs = []
+    jobs += probe_jobs
     with tempfile.TemporaryDirectory(prefix="dynrubric-evaluate-") as tmp:
         scores = _evaluator_scores(jobs, cfg, Path(tmp), pool, **roles) if jobs else {}
     pool.release()
@@ -416,16 +390,26 @@ def run_evaluate(
             units.append(_units(variant, f"pair_{kind}", pair_ids, credits["credit"].to_numpy()))
         values.update(counts)
         if variant in evaluated and labelled_uris:
-            values.update(_accuracy_by_origin(evaluated[variant]))
+            values.update(accuracy_by_origin(evaluated[variant]))
         rows += [(variant, name, value) for name, value in values.items()]
-    if "win-rate" in scores:
-        by_side = scores["win-rate"].pivot(index="prompt_id", columns="sample_idx", values="score")
-        rows.append(("policy", "win_rate", win_rate(by_side[0], by_side[1])))
-        wins = win_credits(by_side[0], by_side[1])
+    if "probe" in scores and has_previous and ev.win_rate:
+        # sample 0 of each policy (the same seed): ties count half
+        by_side = scores["probe"].pivot(index="prompt_id", columns="sample_idx", values="score")
+        rows.append(("policy", "win_rate", win_rate(by_side[0], by_side[ev.samples])))
+        wins = win_credits(by_side[0], by_side[ev.samples])
         units.append(_units("policy", "win", wins.index, wins.to_numpy()))
         rows.append(("policy", "win_rate_prompts", float(len(by_side))))
+    report = None
+    if guarded(cfg) and "probe" in scores:
+        report = guard_report(cfg, samples, prompts, scores, outcomes, previous_units_uri, round_idx)
+        rows += [(GUARD, name, value) for name, value in report.metrics.items()]
+        units.append(report.units.assign(variant=GUARD))
+    rows.append((GUARD, "healthy", 1.0 if report is None else float(report.healthy)))
+    items = probe_items(cfg, probe_jobs, scores, outcomes, round_idx)
+    rows += [("items", name, value) for name, value in summarise_items(items).items()]
 
     metrics = pd.DataFrame(rows, columns=["variant", "name", "value"])
+    metrics = metrics.drop_duplicates(["variant", "name"], keep="last")
     metrics = metrics.assign(round=round_idx, stage="evaluate", step=0)
     defined = metrics["value"].notna()
     if not defined.all():  # e.g. the gap on correct pairs when no pair is ordered correctly
@@ -435,11 +419,28 @@ def run_evaluate(
     write_artifact(out_metrics_uri, "metrics", metrics)
     if out_units_uri:
         write_artifact(out_units_uri, "units", pd.concat(units, ignore_index=True).assign(round=round_idx))
-    write_plots(out_plots_dir, metrics, evaluated)
+    if out_items_uri:
+        write_artifact(out_items_uri, "item_usefulness", items)
+    if out_guard_uri:
+        write_artifact(
+            out_guard_uri,
+            "guard",
+            [guard_record(cfg, report, round_idx, policy=policy, generator=generator)],
+        )
+    sets = traced_sets(jobs, scored, cfg.pipeline.traced_sets, generator=generator, verifier=verifier)
+    write_plots(out_plots_dir, metrics, evaluated, traced=sets)
     result = {
         f"{v}/{n}": float(x) for v, n, x in metrics[["variant", "name", "value"]].itertuples(index=False)
     }
     log.info("evaluate: %s", ", ".join(f"{k}={v:.4g}" for k, v in result.items()))
+    if report is not None and report.fired:
+        log.warning(
+            "round %d: the signal guard's alarm fired: %s; guard.action %s: %s",
+            round_idx,
+            "; ".join(report.reasons),
+            cfg.guard.action,
+            ACTION_WORDS[cfg.guard.action],
+        )
     return result
 
 

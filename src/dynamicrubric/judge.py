@@ -30,7 +30,7 @@ import pyarrow as pa
 
 from dynamicrubric.artifacts import kind, read_frame, write_artifact
 from dynamicrubric.config import Config
-from dynamicrubric.engines import Engine, load_engine, progress_bar
+from dynamicrubric.engines import Engine, load_engine, progress_bar, prompts_named
 from dynamicrubric.prompts import (
     JUDGE_ITEM_QUESTION,
     POINTWISE_QUESTION,
@@ -60,10 +60,23 @@ class JudgeChunk:
     pairs: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _rubrics_by_prompt(rubrics: pd.DataFrame) -> dict[str, list[tuple[int, list]]]:
-    by_prompt: dict[str, list[tuple[int, list]]] = {}
-    for pid, ridx, items in zip(rubrics["prompt_id"], rubrics["rubric_idx"], rubrics["items"], strict=True):
-        by_prompt.setdefault(pid, []).append((int(ridx), list(items)))
+def judged_items(rubrics: pd.DataFrame) -> list[list[tuple[int, dict]]]:
+    """Each rubric's (item_idx, item) pairs the verifier is to judge: those its `judged_items` column
+    names (the policy's reward with judge.item_dropout), every item where the table has no such column."""
+    items = [list(i) for i in rubrics["items"]]
+    if "judged_items" not in rubrics.columns:
+        return [list(enumerate(i)) for i in items]
+    return [
+        [(int(m), i[int(m)]) for m in kept] for i, kept in zip(items, rubrics["judged_items"], strict=True)
+    ]
+
+
+def _rubrics_by_prompt(rubrics: pd.DataFrame) -> dict[str, list[tuple[int, list[tuple[int, dict]]]]]:
+    by_prompt: dict[str, list[tuple[int, list[tuple[int, dict]]]]] = {}
+    for pid, ridx, items in zip(
+        rubrics["prompt_id"], rubrics["rubric_idx"], judged_items(rubrics), strict=True
+    ):
+        by_prompt.setdefault(pid, []).append((int(ridx), items))
     for entries in by_prompt.values():
         entries.sort(key=lambda e: e[0])
     return by_prompt
@@ -78,6 +91,7 @@ def iter_judge_requests(
 ) -> Iterator[JudgeChunk]:
     """Chunks of (rubric item, response) questions in key order (prompt_id, sample_idx, rubric_idx,
     item_idx); `rubrics=None` is pointwise (one question per response, rubric 0, item 0, weight 1).
+    Where the rubrics have a `judged_items` column only those items are asked (with their item_idx).
 
     `render` is the verifier's chat template (Engine.chat_prompt). A chunk ends at a response
     boundary once it holds `chunk_pairs` questions, so a response's questions share one chunk."""
@@ -103,7 +117,7 @@ def iter_judge_requests(
             questions = [
                 (ridx, m, int(item["weight"]), JUDGE_ITEM_QUESTION.format(item=item["text"]))
                 for ridx, items in by_prompt.get(pid, [])
-                for m, item in enumerate(items)
+                for m, item in items
             ]
         if not questions:
             continue
@@ -142,14 +156,15 @@ def judge_table(
     if rubrics is None:
         total = len(rollouts)
     else:
-        per_prompt = rubrics.assign(n=rubrics["items"].map(len)).groupby("prompt_id")["n"].sum()
+        per_prompt = rubrics.assign(n=[len(i) for i in judged_items(rubrics)]).groupby("prompt_id")["n"].sum()
         total = int(rollouts["prompt_id"].map(per_prompt).fillna(0).sum())
     parts: dict[str, list[np.ndarray]] = {
         k: [] for k in ("prompt_code", "rubric_idx", "item_idx", "sample_idx", "weight", "p_yes")
     }
     with progress_bar(total, "judge", "judgment") as bar:
         for chunk in requests:
-            p_yes = score(chunk.pairs, bar)
+            with prompts_named([prompt_ids[int(c)].as_py() for c in chunk.prompt_code]):
+                p_yes = score(chunk.pairs, bar)
             if len(p_yes) != len(chunk.pairs):
                 raise RuntimeError(f"judge: the engine scored {len(p_yes)} of {len(chunk.pairs)} questions")
             for name, dtype in (
@@ -198,9 +213,12 @@ def judge_rollouts(
         )
     pointwise = cfg.judge.variant == "pointwise" or rubrics is None
     rubrics = None if pointwise else rubrics
-    has_questions = pointwise or int(rubrics["items"].map(len).sum()) > 0
+    has_questions = pointwise or any(judged_items(rubrics))
+    requests_before = None
     if has_questions:
         engine = engine or load_engine(verifier, cfg.engine)
+        ledger = getattr(engine, "ledger", None)  # a served verifier's requests
+        requests_before = ledger.snapshot() if ledger is not None else None
         render = partial(engine.chat_prompt, enable_thinking=False)
 
         def score(pairs: list[tuple[str, str]], bar: Any) -> list[float]:
@@ -212,11 +230,19 @@ def judge_rollouts(
     p_yes = judgments.column("p_yes").to_numpy()
     unscored = int(np.isnan(p_yes).sum())
     if unscored:
+        if requests_before is not None:  # the server's requests say why: timeouts, errors, bad replies
+            from dynamicrubric.engines.server_engine import OUTCOMES, counts_text
+
+            since = engine.ledger.since(requests_before)
+            why = f"requests to {engine.url}: " + counts_text({k: since[k] for k in (*OUTCOMES, "retries")})
+        else:
+            why = "no yes/no label token among the verifier's log-probs"
         log.warning(
-            "judge: %d of %d verdicts could not be scored (no yes/no label token among the verifier's "
-            "log-probs); they get p_yes NaN and aggregation will refuse them",
+            "judge: %d of %d verdicts could not be scored (%s); they get p_yes NaN and aggregation will "
+            "refuse them",
             unscored,
             len(p_yes),
+            why,
         )
     verdicts = judgments.column("verdict").to_numpy(zero_copy_only=False)
     counts = {

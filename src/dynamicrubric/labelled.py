@@ -4,6 +4,7 @@ the user's files of ranked responses (anchors, Nectar, chosen/rejected pairs).""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from importlib import resources
 
 import numpy as np
@@ -11,9 +12,11 @@ import pandas as pd
 
 from dynamicrubric import tasks
 from dynamicrubric.artifacts import ArtifactError, artifact_kind, read_frame
+from dynamicrubric.evaluation_metrics import pairwise_accuracy, rankable
 
 log = logging.getLogger(__name__)
 
+MAX_LIST_SIZE = 26  # the dynamic generator labels responses A..Z
 OUTCOMES_PREFIX = "outcomes:"  # list ids of the policy's outcome lists; a user's file i gives "file<i>:"
 
 
@@ -84,3 +87,74 @@ def outcome_lists(scored: pd.DataFrame, prompts: pd.DataFrame) -> pd.DataFrame:
             "source": "outcomes",
         }
     ).reset_index(drop=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# The lists the evaluate stage scores
+# --------------------------------------------------------------------------------------------------
+
+
+def as_rollouts(anchors: pd.DataFrame) -> pd.DataFrame:
+    """A rollouts-shaped frame of labelled lists (prompt_id = list_id), for the rubric and judge stages."""
+    return pd.DataFrame(
+        {
+            "prompt_id": anchors["list_id"].astype(str),
+            "sample_idx": anchors["sample_idx"].astype(np.int32),
+            "prompt": anchors["prompt"],
+            "response": anchors["response"],
+            "num_tokens": np.zeros(len(anchors), dtype=np.int32),
+            "finish_reason": "stop",
+            "policy": anchors["source"],
+            "seed": 0,
+        }
+    )
+
+
+def labelled_lists(
+    scored: pd.DataFrame, prompts: pd.DataFrame, labelled_uris: Sequence[str]
+) -> tuple[pd.DataFrame, dict[str, float]]:
+    """Every labelled list usable for accuracy, and counts of what was kept and skipped.
+
+    List ids are prefixed by where they come from ("outcomes:", "file<i>:") so that a user's list id
+    cannot collide with a prompt id. Lists with fewer than two distinct ranks, or more responses than
+    the generator can label, are skipped and counted.
+    """
+    parts = [
+        outcome_lists(scored, prompts).pipe(lambda df: df.assign(list_id=OUTCOMES_PREFIX + df["list_id"]))
+    ]
+    for i, uri in enumerate(labelled_uris):
+        user = load_labelled(uri)
+        log.info("evaluate: %d labelled list(s) from %s", user["list_id"].nunique(), uri)
+        parts.append(user.assign(list_id=f"file{i}:" + user["list_id"].astype(str)))
+    lists = pd.concat([p[list(tasks.ANCHOR_COLUMNS)] for p in parts], ignore_index=True)
+    total = lists["list_id"].nunique()
+    too_big = lists.groupby("list_id")["sample_idx"].transform("size") > MAX_LIST_SIZE
+    if too_big.any():
+        log.warning(
+            "evaluate: skipping %d labelled list(s) of more than %d responses",
+            lists.loc[too_big, "list_id"].nunique(),
+            MAX_LIST_SIZE,
+        )
+    kept = rankable(lists[~too_big]).reset_index(drop=True)
+    num_kept = kept["list_id"].nunique()
+    counts = {
+        "labelled_lists": float(num_kept),
+        "labelled_lists_skipped": float(total - num_kept),
+        "labelled_lists_outcomes": float(
+            kept["list_id"].str.startswith(OUTCOMES_PREFIX).groupby(kept["list_id"]).any().sum()
+        ),
+    }
+    return kept, counts
+
+
+def accuracy_by_origin(lists: pd.DataFrame) -> dict[str, float]:
+    """Pairwise accuracy on the user's files alone and on the policy's outcome lists alone.
+
+    The files are a fixed held-out set, comparable from round to round; the outcome lists are the
+    current policy's own samples and change with it. NaN (later dropped) when one side has no pair.
+    """
+    from_outcomes = lists["list_id"].str.startswith(OUTCOMES_PREFIX)
+    return {
+        "pairwise_accuracy_labelled": pairwise_accuracy(lists[~from_outcomes]),
+        "pairwise_accuracy_outcomes": pairwise_accuracy(lists[from_outcomes]),
+    }

@@ -12,8 +12,10 @@ same command skips the segments MLflow records as done. Between segments the cha
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import re
 import tempfile
 import time
@@ -103,6 +105,8 @@ def run_local(cfg: Config, *, verbose: bool = False, fresh: bool = False) -> Loc
         finally:
             monitor.starter.stop()
     result = LocalRun(run_name, tracking.find_pipeline_run(cfg, run_name) or "", monitor.tasks)
+    if result.parent_run_id:
+        tracking.settle_spans(cfg, result.parent_run_id)
     result.run_dirs, result.index_files = write_index(root, monitor.tasks)
     return result
 
@@ -113,12 +117,17 @@ def check_before_launch(cfg: Config) -> Path:
     from dynamicrubric.store import StoreError
     from dynamicrubric.tasks import configured_prompts
 
-    root = Path(cfg.pipeline.pipeline_root).resolve()
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=root).close()
-    except OSError as e:
-        raise LaunchError(f"pipeline.pipeline_root: {root}: {e.strerror}") from None
+        root = Path(cfg.pipeline.pipeline_root).resolve()
+    except RuntimeError:  # Python 3.11's Path.resolve on a symlink loop
+        raise LaunchError(f"pipeline.pipeline_root: {cfg.pipeline.pipeline_root}: a symlink loop") from None
+    # The root is created only once every check has passed: a refusal writes nothing (an empty runs/
+    # was left). Until then, the nearest folder that exists must be one this user can create it in.
+    there = next(p for p in (root, *root.parents) if p.exists())
+    if not there.is_dir():
+        raise LaunchError(f"pipeline.pipeline_root: {root}: {os.strerror(errno.ENOTDIR)}")
+    if not os.access(there, os.W_OK | os.X_OK):
+        raise LaunchError(f"pipeline.pipeline_root: {root}: {os.strerror(errno.EACCES)}")
     for split in ("train", "eval"):
         try:
             configured_prompts(cfg.data, split)
@@ -128,6 +137,11 @@ def check_before_launch(cfg: Config) -> Path:
     problem = tracking.unreachable(uri) if uri else None
     if problem:
         raise LaunchError(f"pipeline.mlflow_tracking_uri: {uri}: {problem}")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=root).close()
+    except OSError as e:
+        raise LaunchError(f"pipeline.pipeline_root: {root}: {e.strerror}") from None
     return root
 
 
@@ -135,14 +149,32 @@ def segment_start(cfg: Config, run_name: str, last: int) -> dict[str, str]:
     """The start parameters of the segment after round `last` (co_evolution.start_parameters): round
     `last`'s policy and generator checkpoints as MLflow records them. {} where the run stopped: round
     `last` never ran (the early-stop rule inside a segment skipped it) or its audit tie rate is at
-    `pipeline.early_stop_tie_rate` (the rule that one long run would have applied after it). A round
-    that ran but whose checkpoints MLflow lacks is an error: the chain cannot go on."""
-    from dynamicrubric.pipelines.co_evolution import pipeline_variant, start_parameters
+    `pipeline.early_stop_tie_rate` (the rule that one long run would have applied after it), or the
+    signal guard fired with `guard.action` stop. With `guard.action` rollback the start is what round
+    `last`'s rollback task chose. A round that ran but whose checkpoints MLflow lacks is an error: the
+    chain cannot go on."""
+    from dynamicrubric.pipelines.co_evolution import guard_action, pipeline_variant, start_parameters
 
+    # With guard.action rollback, round `last`'s rollback task chose the next start (its own checkpoints
+    # or the last healthy round's) and logged it as "<role>-start-round-<last+1>".
+    rolled = guard_action(cfg) == "rollback"
     found = {
-        p: tracking.find_model_uri(cfg, run_name, f"{p.removeprefix('start_')}-round-{last}")
+        p: tracking.find_model_uri(
+            cfg,
+            run_name,
+            f"{p.removeprefix('start_')}-start-round-{last + 1}"
+            if rolled
+            else f"{p.removeprefix('start_')}-round-{last}",
+        )
         for p in start_parameters(cfg)
     }
+    if guard_action(cfg) == "stop":
+        if not found["start_policy"]:  # an earlier round's guard fired inside the segment
+            log.warning("round %d did not run (guard.action stop): the chain ends there", last)
+            return {}
+        if tracking.round_metric(cfg, run_name, last, "evaluate", "guard/healthy") == 0:
+            log.warning("round %d's signal guard fired (guard.action stop): the chain stops there", last)
+            return {}
     threshold = cfg.pipeline.early_stop_tie_rate
     if threshold is not None and pipeline_variant(cfg) != "verifiable":
         if not found["start_policy"]:  # its segment ended (no failure), so the rule skipped the round
@@ -159,7 +191,11 @@ def segment_start(cfg: Config, run_name: str, last: int) -> dict[str, str]:
                 threshold,
             )
             return {}
-    missing = [f"{p.removeprefix('start_')}-round-{last}" for p, uri in found.items() if not uri]
+    missing = [
+        p.removeprefix("start_") + (f"-start-round-{last + 1}" if rolled else f"-round-{last}")
+        for p, uri in found.items()
+        if not uri
+    ]
     if missing:
         raise LaunchError(
             f"run {run_name}: MLflow ({tracking.tracking_uri(cfg)}) has no {' or '.join(missing)} checkpoint, "

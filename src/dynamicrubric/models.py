@@ -95,6 +95,78 @@ def resolve_model(ref: str) -> Path:
     return _from_hub(ref)
 
 
+# A folder that names a model instead of holding one (`write_reference`): how a rollback hands the next
+# round the checkpoint it chose, which stays where it is (no copy of a 16 GB checkpoint per round).
+REFERENCE_FILE = "reference.json"
+
+
+def write_reference(uri: str, target: str) -> None:
+    """Publish at `uri` a folder whose one file names the model reference `target`."""
+    with tempfile.TemporaryDirectory(prefix="dynrubric-reference-") as tmp:
+        (Path(tmp) / REFERENCE_FILE).write_text(json.dumps({"model": target}, sort_keys=True) + "\n")
+        store.upload_dir(tmp, uri)
+
+
+def follow_reference(ref: str) -> str:
+    """The model reference a reference folder (`write_reference`) names; any other `ref` as it is."""
+    if not ref or ref in BUILTIN_MODELS:
+        return ref
+    if not (store.is_s3(ref) or ref.startswith("file://") or Path(ref).expanduser().is_dir()):
+        return ref  # a hub id, or a name the model loader will explain
+    manifest = store.read_manifest(ref)
+    if manifest is None or manifest["files"] is None or REFERENCE_FILE not in manifest["files"]:
+        return ref
+    try:
+        target = json.loads(store.read_bytes(store.folder_file(ref, REFERENCE_FILE)))["model"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ModelError(f"{ref}: unreadable {REFERENCE_FILE} ({e})") from None
+    if not isinstance(target, str) or not target:
+        raise ModelError(f"{ref}: {REFERENCE_FILE} names no model")
+    return target
+
+
+def check_model_folder(ref: str, path: Path) -> None:
+    """Refuse, in one line and before any process loads it, a model folder (`resolve_model`'s) transformers would
+    fail on with its own errors: a config.json that names no model type (`{}` gave a tokenizer error),
+    or a safetensors file cut short (a copy that stopped: the training processes failed with two
+    tracebacks and left their scratch folders). Only the config and each weight file's header are
+    read, a few KB for any model size."""
+    try:
+        config = json.loads((path / "config.json").read_bytes())
+    except (OSError, ValueError, RecursionError) as e:
+        raise ModelError(f"model folder {ref!r}: config.json is not readable JSON ({e})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ModelError(
+            f"model folder {ref!r}: config.json names no model_type; not a Hugging Face model's config"
+        )
+    for weights in sorted(path.glob("*.safetensors")):
+        problem = _safetensors_problem(weights)
+        if problem:
+            raise ModelError(f"model folder {ref!r}: {weights.name} {problem}")
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    """Why `file` is not a whole safetensors file (None when it is): an 8-byte little-endian header
+    length, a JSON header of each tensor's byte range, then exactly the bytes those ranges cover."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"is truncated ({size} bytes, not even a header)"
+        length = int.from_bytes(head, "little")
+        if 8 + length > size:
+            return f"is truncated ({size} bytes; its header alone says {8 + length})"
+        try:
+            header = json.loads(f.read(length))
+            ends = [int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
+            return "has an unreadable header: not a safetensors file"
+    expected = 8 + length + max(ends, default=0)
+    if size < expected:
+        return f"is truncated ({size} bytes; its header says {expected})"
+    return None
+
+
 def model_reference(ref: str) -> str:
     """The reference an artifact stores for the model it came from, the same however it was typed: a
     local folder as its absolute path (a pod's mounted /s3/b/k as s3://b/k, the URI a rerun would
@@ -141,7 +213,32 @@ def _from_store(uri: str) -> Path:
 
     Every process of a task (one per GPU) resolves the same references at the same time: under the
     cache's lock one downloads and the others wait, then find it complete (an 8B model is 16 GB)."""
-    final = cache_dir() / "staged" / hashlib.sha256(uri.encode()).hexdigest()[:16]
+    return _fetch_once(uri, cache_dir() / "staged" / hashlib.sha256(uri.encode()).hexdigest()[:16], None)
+
+
+# What a model folder's weights are saved as: everything else (config, tokenizer, chat template) is small.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".onnx")
+
+
+def resolve_model_config(ref: str) -> Path:
+    """A local folder with `ref`'s config and tokenizer files, for a check that needs no weights (the
+    prompts against the model's context, before a task starts its training processes). An `s3://`
+    folder's weights (16 GB for an 8B model) are not downloaded for it: its other files are fetched
+    once into the cache, or its whole copy there is used if one is already downloaded. Any other
+    reference resolves as `resolve_model` resolves it."""
+    if not store.is_s3(ref):
+        return resolve_model(ref)
+    digest = hashlib.sha256(ref.encode()).hexdigest()[:16]
+    whole = cache_dir() / "staged" / digest
+    if (whole / store.COMPLETE_MARKER).is_file():
+        return whole
+    return _fetch_once(
+        ref, cache_dir() / "staged-config" / digest, lambda rel: not rel.endswith(WEIGHT_SUFFIXES)
+    )
+
+
+def _fetch_once(uri: str, final: Path, only: Callable[[str], bool] | None) -> Path:
+    """`store.download_dir(uri, final, only)` done once, atomically, under the cache's lock."""
     if (final / store.COMPLETE_MARKER).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -152,7 +249,7 @@ def _from_store(uri: str) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
         try:
             try:
-                store.download_dir(uri, tmp)  # refuses a folder without its _COMPLETE marker
+                store.download_dir(uri, tmp, only=only)  # refuses a folder without its _COMPLETE marker
             except store.StoreError as e:
                 raise ModelError(f"staged model {uri}: {e}") from e
             if not (tmp / "config.json").is_file():

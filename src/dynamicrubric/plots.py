@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 from pathlib import Path
@@ -15,6 +16,9 @@ log = logging.getLogger(__name__)
 
 
 PLOT_NAMES = ("scores.png", "gap_tie.png", "accuracy.png", "policy.png")
+# Beside the plots: the judged candidate sets the stage traced (evaluate.traced_sets), which its MLflow
+# run logs as traces and the run report shows.
+TRACED_SETS = "traced_sets.json"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -22,8 +26,11 @@ PLOT_NAMES = ("scores.png", "gap_tie.png", "accuracy.png", "policy.png")
 # --------------------------------------------------------------------------------------------------
 
 
-def write_plots(out_dir: str, metrics: pd.DataFrame, evaluated: dict[str, pd.DataFrame]) -> list[str]:
-    """Write the PNG plots into `out_dir` (a path or s3:// prefix); return their file names.
+def write_plots(
+    out_dir: str, metrics: pd.DataFrame, evaluated: dict[str, pd.DataFrame], traced: list[dict] | None = None
+) -> list[str]:
+    """Write the PNG plots into `out_dir` (a path or s3:// prefix), and the `traced` sets as
+    TRACED_SETS beside them when given; return the plots' file names.
 
     scores.png: per variant, the score distribution of best vs other responses; gap_tie.png: mean gap,
     gap on correct pairs, tie and uniformity rate per variant; accuracy.png: pairwise / listwise
@@ -78,6 +85,8 @@ def write_plots(out_dir: str, metrics: pd.DataFrame, evaluated: dict[str, pd.Dat
             _no_data(ax, "no policy scores")
         ax.set_title("policy quality")
         _save(fig, Path(tmp, "policy.png"))
+        if traced is not None:
+            Path(tmp, TRACED_SETS).write_text(json.dumps(traced))
         store.upload_dir(tmp, out_dir)
     return list(PLOT_NAMES)
 

@@ -48,10 +48,13 @@ def _clip(text: str, max_chars: int) -> str:
     return text if len(text) <= max_chars else text[:max_chars] + " […]"
 
 
-def response_order(prompt_id: str, num_responses: int, seed: int) -> list[int]:
-    """The seeded order in which the generator sees a candidate set (hides the sampling order)."""
+def response_order(prompt_id: str, num_responses: int, seed: int, sample: int = 0) -> list[int]:
+    """The seeded order in which the generator sees a candidate set (hides the sampling order).
+
+    `sample` > 0 gives rubric sample `sample` an order of its own (rubrics.shuffle); sample 0 reads the
+    set's one order, so a single sample is shown the responses as it always was."""
     order = list(range(num_responses))
-    random.Random(f"{seed}:{prompt_id}").shuffle(order)
+    random.Random(f"{seed}:{prompt_id}" if sample == 0 else f"{seed}:{prompt_id}:{sample}").shuffle(order)
     return order
 
 

@@ -12,7 +12,7 @@ import pandas as pd
 
 from dynamicrubric.artifacts import read_frame, write_artifact
 from dynamicrubric.config import Config
-from dynamicrubric.engines import Engine, load_engine
+from dynamicrubric.engines import Engine, load_engine, prompts_named
 from dynamicrubric.models import model_reference
 
 log = logging.getLogger(__name__)
@@ -29,15 +29,16 @@ def sample_rollouts(
 ) -> pd.DataFrame:
     r = cfg.rollout
     thinking = cfg.models.enable_thinking.policy
-    generations = engine.generate(
-        [policy_prompt(engine, p, thinking) for p in prompts["prompt"]],
-        n=r.k,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        max_new_tokens=r.max_new_tokens,
-        seed=seed,
-        desc="rollout",
-    )
+    with prompts_named(list(prompts["prompt_id"])):
+        generations = engine.generate(
+            [policy_prompt(engine, p, thinking) for p in prompts["prompt"]],
+            n=r.k,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_new_tokens=r.max_new_tokens,
+            seed=seed,
+            desc="rollout",
+        )
     rows = [
         {
             "prompt_id": row.prompt_id,

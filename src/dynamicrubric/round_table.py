@@ -31,6 +31,18 @@ LEGEND = [
     ("evaluator_acc", "pairwise accuracy of the evaluator on labelled lists; n = labelled pairs"),
     ("policy_acc", "accuracy of P_t on held-out prompts; n = scored samples"),
     ("win_rate", "share of held-out prompts where P_t beats P_t-1 (ties count half); n = prompts"),
+    ("gold", "the signal guard: P_t's gold on the held-out probe (its checker), and its change from P_t-1"),
+    ("agreement", "pairwise agreement of the round's evaluator with the gold on the probe; n = pairs"),
+    (
+        "canary",
+        "share of canaries (padded, master-key, format-only, empty, restated) that beat or tie their original",
+    ),
+    ("order", "mean |score change| of a probe response when G_t sees the responses in another order"),
+    (
+        "len_corr",
+        "mean within-group correlation of the policy's reward with its completions' length, over steps",
+    ),
+    ("alarm", "the guard's alarms that fired (hacking, agreement, canary, order); quiet: none"),
 ]
 
 
@@ -45,7 +57,8 @@ def round_table(cfg: Config, parent_run_id: str) -> list[dict]:
     for t, stages in sorted(tracking.stage_runs_by_round(cfg, parent_run_id).items()):
         if t == 0:
             continue  # data preparation only
-        by_stage = {s.data.tags.get(tracking.STAGE_TAG): s.data.metrics for s in stages}
+        by_run = {s.data.tags.get(tracking.STAGE_TAG): s for s in stages}
+        by_stage = {name: s.data.metrics for name, s in by_run.items()}
         agg = by_stage.get("audit-after-aggregate") or by_stage.get("audit-aggregate") or {}
         ev = by_stage.get("evaluate", {})
         table.append(
@@ -62,9 +75,58 @@ def round_table(cfg: Config, parent_run_id: str) -> list[dict]:
                 ),
                 "policy_acc": _with_n(ev, "policy/accuracy", "policy/samples"),
                 "win_rate": _with_n(ev, "policy/win_rate", "policy/win_rate_prompts"),
+                **_guard_columns(cfg, ev, by_run.get("train-policy")),
             }
         )
     return table
+
+
+def _guard_columns(cfg: Config, ev: dict, train_policy) -> dict:
+    """The signal guard's columns (guard.py) from the round's evaluate metrics, and the policy trainer's
+    length correlation averaged over its steps."""
+    from dynamicrubric.guard import ALARMS
+
+    if "guard/healthy" not in ev:  # a run from before the guard, or a round that did not evaluate
+        return dict.fromkeys(("gold", "agreement", "canary", "order", "len_corr", "alarm"))
+    gold = ev.get("guard/gold_score")
+    delta = ev.get("guard/gold_delta")
+    fired = [name for name in ALARMS if ev.get(f"guard/alarm_{name}")]
+    return {
+        "gold": None if gold is None else f"{gold:.3f}" + ("" if delta is None else f" ({delta:+.3f})"),
+        "agreement": _with_interval(ev, "guard/agreement", "guard/agreement_pairs"),
+        "canary": _with_interval(ev, "guard/canary_win_rate", "guard/canaries"),
+        "order": ev.get("guard/order_abs_delta"),
+        "len_corr": _mean_over_steps(cfg, train_policy, LENGTH_CORRELATION),
+        "alarm": ",".join(fired) or "quiet",
+    }
+
+
+def _with_interval(metrics: dict, key: str, n_key: str) -> str | None:
+    """A guard proportion as text with its n and its bootstrap interval (the guard's own, which
+    resamples prompts: pairs and canaries of one prompt are not independent, as a Wilson interval
+    would take them to be)."""
+    if n_key not in metrics:
+        return None
+    n = int(metrics[n_key])
+    if key not in metrics:
+        return f"- (n={n})"
+    text = f"{metrics[key]:.3f} (n={n})"
+    lo, hi = metrics.get(f"{key}_lo"), metrics.get(f"{key}_hi")
+    return text + (f" [{lo:.2f}-{hi:.2f}]" if lo is not None and hi is not None else "")
+
+
+LENGTH_CORRELATION = "rewards/length_corr"  # the policy reward's per-step metric (training/policy_reward.py)
+
+
+def _mean_over_steps(cfg: Config, run, key: str) -> float | None:
+    """The mean of a step metric over a run's steps (MLflow keeps its history; the trainers log it under
+    their variant, as "dynamic/<key>"), None when it was not logged."""
+    found = [k for k in (run.data.metrics if run is not None else {}) if k == key or k.endswith("/" + key)]
+    if not found:
+        return None
+    history = tracking.mlflow_client(cfg).get_metric_history(run.info.run_id, found[0])
+    values = [m.value for m in history if m.value == m.value]
+    return sum(values) / len(values) if values else None
 
 
 def _with_n(metrics: dict, key: str, n_key: str, counted: str = "") -> tuple[float, int] | None:
@@ -81,9 +143,23 @@ def _main_variant(cfg: Config) -> str:
     return pipeline_variant(cfg)
 
 
+# The signal guard's columns: printed as a block of their own under the signal's (one table would
+# be some 200 characters wide), each line a round.
+GUARD_COLUMNS = ("gold", "agreement", "canary", "order", "len_corr", "alarm")
+
+
 def format_table(rows: list[dict]) -> str:
     if not rows:
         return "(no rounds recorded)"
+    signal = [{k: v for k, v in r.items() if k not in GUARD_COLUMNS} for r in rows]
+    guard = [{"round": r["round"], **{k: r[k] for k in GUARD_COLUMNS if k in r}} for r in rows]
+    blocks = [_block(signal)]
+    if any(r.get("alarm") is not None for r in rows):
+        blocks.append(_block(guard))
+    return "\n\n".join(blocks)
+
+
+def _block(rows: list[dict]) -> str:
     headers = list(rows[0])
     cells = [[_fmt(r[h]) for h in headers] for r in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
@@ -100,7 +176,10 @@ def format_legend(rows: list[dict], cfg: Config | None = None) -> str:
     shown = set(rows[0]) if rows else set()
     width = max(len(name) for name, _ in LEGEND)
     lines = [f"  {name.ljust(width)}  {meaning}" for name, meaning in LEGEND if name in shown]
-    lines.append(f"  (n=…) is the sample size; [lo-hi] a 95% Wilson interval, shown when n < {SMALL_N}.")
+    lines.append(
+        f"  (n=…) is the sample size; [lo-hi] a 95% Wilson interval, shown when n < {SMALL_N} (the guard's: "
+        "a bootstrap over prompts)."
+    )
     lines += scale_notes(cfg) if cfg is not None else []
     return "\n".join(lines)
 
@@ -138,11 +217,21 @@ def _fmt(value) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
-def report(cfg: Config, result: LocalRun) -> str:
-    """What `dynrubric run` prints at the end: the round table with its legend, where everything is,
-    and whether anything ran at all."""
+def report(cfg: Config, result: LocalRun, page: str = "") -> str:
+    """What `dynrubric run` prints at the end: the round table with its legend, where everything is
+    (`page`: the run report page), and whether anything ran at all."""
+    from dynamicrubric.pipelines.co_evolution import guard_action
+    from dynamicrubric.probe import ACTION_WORDS
+
     rows = round_table(cfg, result.parent_run_id)
     out = ["", format_table(rows), "", "Legend:", format_legend(rows, cfg), ""]
+    fired = [str(r["round"]) for r in rows if r.get("alarm") not in (None, "quiet")]
+    if fired:
+        action = guard_action(cfg)
+        out.append(
+            f"Signal guard: the alarm fired in round {', '.join(fired)} (guard.action {action}: "
+            f"{ACTION_WORDS[action]}); why is in that round's evaluate log and on the run report page."
+        )
     if result.tasks and result.ran == 0:
         out.append(
             f"All {len(result.tasks)} tasks were cached: nothing ran, the numbers are the earlier run's. "
@@ -165,6 +254,8 @@ def report(cfg: Config, result: LocalRun) -> str:
     if plots:
         last = max(plots)[1]
         out.append(f"Plots (PNG):   {last}  (open with any image viewer, e.g. xdg-open {last}/accuracy.png)")
+    if page:
+        out.append(f"Run report:    {page}  (one page, open in a browser; also the parent run's artifact)")
     uri = tracking.tracking_uri(cfg)
     if uri and result.parent_run_id:
         out.append(f"MLflow parent run {result.parent_run_id}. Open the UI with:")

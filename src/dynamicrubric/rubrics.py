@@ -5,7 +5,9 @@ a seeded shuffled order) and writes at most M weighted yes/no items meant to tel
 static (RaR-style baseline): the same format, written from the prompt alone.
 
 G rubric samples per candidate set (G > 1 feeds the generator's GRPO; G = 1 for scoring). A sample
-that does not parse becomes an empty rubric, counted and logged, never a crash.
+that does not parse becomes an empty rubric, counted and logged, never a crash. Several samples of a
+dynamic rubric for scoring each read the responses in their own seeded order (`rubrics.shuffle`), so
+that no position is favoured; each row's `generator_prompt` is the prompt its sample read.
 
 With `rubrics.constrained` (the default) decoding is constrained to `constrained.rubric_schema(M)`, so
 every sample parses as JSON unless the token limit cut it off. A cut-off sample gets parse_status
@@ -15,13 +17,14 @@ every sample parses as JSON unless the token limit cut it off. A cut-off sample 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import pandas as pd
 
 from dynamicrubric.artifacts import read_frame, write_artifact
 from dynamicrubric.config import Config
-from dynamicrubric.engines import FAILED, Engine, EngineError, load_engine
+from dynamicrubric.engines import FAILED, Engine, EngineError, load_engine, prompts_named
 from dynamicrubric.models import model_reference
 from dynamicrubric.prompts import (
     ParsedRubric,
@@ -41,23 +44,39 @@ def generator_messages(user_text: str) -> list[dict]:
     return [{"role": "user", "content": user_text}]
 
 
-def rubric_requests(rollouts: pd.DataFrame, cfg: Config, variant: str, seed: int) -> pd.DataFrame:
-    """One generator prompt per candidate set (prompt_id), in the order the prompts first appear."""
+def orders_per_sample(cfg: Config, variant: str, samples: int) -> bool:
+    """Whether each of a set's `samples` rubric samples reads the responses in its own seeded order
+    (`rubrics.shuffle`): only a dynamic prompt shows responses, and one sample has no other to differ
+    from (it reads the set's one order, as it always did)."""
+    return cfg.rubrics.shuffle and variant == "dynamic" and samples > 1
+
+
+def rubric_requests(
+    rollouts: pd.DataFrame, cfg: Config, variant: str, seed: int, samples: int = 1
+) -> pd.DataFrame:
+    """The generator's prompts, in the order the candidate sets (prompt_id) first appear: columns
+    prompt_id, rubric_idx (the first rubric sample the prompt is for) and generator_prompt.
+
+    One prompt per set, for all of its samples, unless `orders_per_sample` says each of its `samples`
+    samples reads its own order: then one prompt per sample (rubric_idx 0..samples-1). The generator's
+    trainer asks for one prompt per set (the default `samples=1`), whatever the config says."""
     rc = cfg.rubrics
+    per_sample = orders_per_sample(cfg, variant, samples)
     requests = []
     for prompt_id, group in rollouts.groupby("prompt_id", sort=False):
         group = group.sort_values("sample_idx")
         task = group["prompt"].iloc[0]
-        if variant == "dynamic":
-            responses = group["response"].tolist()
-            shown = [responses[i] for i in response_order(str(prompt_id), len(responses), seed)]
-            text = dynamic_rubric_prompt(task, shown, rc.num_items, rc.max_response_chars)
-        elif variant == "static":
-            text = static_rubric_prompt(task, rc.num_items)
-        else:
+        if variant not in ("dynamic", "static"):
             raise ValueError(f"rubrics.variant: unknown variant {variant!r}; expected 'dynamic' or 'static'")
-        requests.append({"prompt_id": prompt_id, "generator_prompt": text})
-    return pd.DataFrame(requests)
+        responses = group["response"].tolist()
+        for g in range(samples if per_sample else 1):
+            if variant == "dynamic":
+                shown = [responses[i] for i in response_order(str(prompt_id), len(responses), seed, g)]
+                text = dynamic_rubric_prompt(task, shown, rc.num_items, rc.max_response_chars)
+            else:
+                text = static_rubric_prompt(task, rc.num_items)
+            requests.append({"prompt_id": prompt_id, "rubric_idx": g, "generator_prompt": text})
+    return pd.DataFrame(requests, columns=["prompt_id", "rubric_idx", "generator_prompt"])
 
 
 def rubric_rows(
@@ -70,12 +89,14 @@ def rubric_rows(
     generator: str,
     num_items: int,
     constrained: bool,
+    first_idx: int = 0,
 ) -> list[dict]:
-    """The rubric samples written for one candidate set, parsed, as rows of the `rubrics` artifact.
+    """The rubric samples written for one candidate set from one prompt, parsed, as rows of the
+    `rubrics` artifact, numbered from `first_idx`.
 
     The standalone stage and the generator's online trainer both build their rows here."""
     rows = []
-    for g, (completion, reason) in enumerate(zip(completions, finish_reasons, strict=True)):
+    for g, (completion, reason) in enumerate(zip(completions, finish_reasons, strict=True), first_idx):
         if reason == FAILED:  # the model server never answered: nothing to parse, and no rubric
             parsed = ParsedRubric([], FAILED)
         elif constrained and reason == "length":
@@ -110,19 +131,23 @@ def generate_rubrics(
     seed: int | None = None,
     engine: Engine | None = None,
     allow_failed: bool = False,
+    set_indices: Sequence[int] | None = None,
 ) -> tuple[pd.DataFrame, dict]:
     """`samples` rubric samples (default cfg.rubrics.samples) for every candidate set of `rollouts`:
-    the `rubrics` table and its counts.
+    the `rubrics` table and its counts. `set_indices`: where `rollouts` is a part of a larger batch
+    scored in parts, each set's place in the whole (in the order the sets appear), which seeds its
+    samples as they would be seeded in the whole (a training step split over nodes).
 
     A sample whose server request failed after its retries raises, unless `allow_failed` (the online
     reward, which leaves that set's group out): it then gets parse_status "failed" and no items, and
     is counted in `failed`."""
     rc = cfg.rubrics
     generator = generator or cfg.models.generator
-    samples = samples or rc.samples
+    samples = rc.samples if samples is None else samples
     variant = variant or rc.variant
     seed = cfg.seed if seed is None else seed
-    requests = rubric_requests(rollouts, cfg, variant, seed)
+    per_sample = orders_per_sample(cfg, variant, samples)
+    requests = rubric_requests(rollouts, cfg, variant, seed, samples)
     thinking = cfg.models.enable_thinking.generator
     if rc.constrained and thinking:
         raise ValueError(
@@ -130,19 +155,31 @@ def generate_rubrics(
             "for a thinking block: set models.enable_thinking.generator: false or rubrics.constrained: false"
         )
     engine = engine or load_engine(generator, cfg.engine)
-    generations = engine.generate(
-        [
-            engine.chat_prompt(generator_messages(t), enable_thinking=thinking)
-            for t in requests["generator_prompt"]
-        ],
-        n=samples,
-        temperature=rc.temperature,
-        top_p=rc.top_p,
-        max_new_tokens=rc.max_new_tokens,
-        seed=seed,
-        desc=f"rubrics ({variant})",
-        rubric_items=rc.num_items if rc.constrained else None,
-    )
+    indices = None if set_indices is None else list(set_indices)
+    if per_sample:  # a prompt per (set, sample): seeded by the set's place and the sample, as in the whole
+        place = {pid: i for i, pid in enumerate(dict.fromkeys(requests["prompt_id"]))}
+        at = indices or list(range(len(place)))
+        indices = [
+            at[place[p]] * samples + int(g)
+            for p, g in zip(requests["prompt_id"], requests["rubric_idx"], strict=True)
+        ]
+    # Every prompt goes in one call, the per-sample orders' too: the engines batch them together (vLLM
+    # and a server cache the prefix the orders share; HFEngine batches rows of similar length).
+    with prompts_named(list(requests["prompt_id"])):
+        generations = engine.generate(
+            [
+                engine.chat_prompt(generator_messages(t), enable_thinking=thinking)
+                for t in requests["generator_prompt"]
+            ],
+            n=1 if per_sample else samples,
+            temperature=rc.temperature,
+            top_p=rc.top_p,
+            max_new_tokens=rc.max_new_tokens,
+            seed=seed,
+            desc=f"rubrics ({variant})",
+            rubric_items=rc.num_items if rc.constrained else None,
+            prompt_indices=indices,
+        )
     failed = sum(r == FAILED for g in generations for r in g.finish_reasons)
     if failed and not allow_failed:
         raise EngineError(
@@ -161,6 +198,7 @@ def generate_rubrics(
             generator=reference,
             num_items=rc.num_items,
             constrained=rc.constrained,
+            first_idx=int(request.rubric_idx),
         )
     rubrics = pd.DataFrame(rows)
     empty = int((rubrics["parse_status"] == "empty").sum())
@@ -178,7 +216,7 @@ def generate_rubrics(
     complete = len(rubrics) - truncated - failed
     counts = {
         "failed": failed,
-        "candidate_sets": len(requests),
+        "candidate_sets": int(requests["prompt_id"].nunique()),
         "rubrics": len(rubrics),
         "empty_rubrics": empty,
         "truncated": truncated,

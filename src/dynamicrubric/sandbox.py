@@ -21,6 +21,13 @@ How a check is judged (the code never decides its own verdict):
   calls, exceptions, atexit, signals, threads), printing markers, patching or tracing the harness, or
   writing anywhere: all of that happens in the worker, where nothing decides the verdict; the judge
   just sees no answer (EOF) and fails.
+- The runs of a batch are judged at the same time: the judge prepares the tests once, then forks a
+  judge per run, which calls its run as soon as the run is ready. A run gets `timeout_s` on a clock of
+  its own (`RunClock` in `_sandbox/child.py`): wall time, counted at min(1, c/n) while n runs of the
+  batch are undecided on c CPUs (those it may run on, or its cgroup's CPU quota), as runs judged at
+  once share the CPUs. So a run's limit is not eaten by its siblings, a run left alone gets the wall
+  clock, and a batch of K that all hang ends after timeout_s * max(1, K/c). The clock only decides
+  when a run is stopped, which fails it: it tells the run nothing.
 - The judge is out of the worker's reach: another user (uid 65533 when run as root), outside the
   worker's PID namespace (the worker cannot name it), not dumpable (no ptrace, no /proc/PID/mem or
   fds even for the same user), and the tests are given to it on a pipe, never on disk or in argv.
@@ -29,8 +36,8 @@ How a check is judged (the code never decides its own verdict):
 How a run is contained (Linux), every run in its own namespaces:
 - A launcher (`_sandbox/`, started by sandbox_launch.py) in a new session unshares a mount, network
   (no interface up: even loopback is unreachable) and IPC namespace and builds the read-only view;
-  each run then gets a supervisor with a mount namespace of its own (its writable tmpfs) and a PID
-  namespace of its own.
+  each run then gets a supervisor with a mount namespace of its own (its writable tmpfs), and network,
+  IPC and PID namespaces of its own.
 - Mount namespace: the code is chrooted into a fresh view whose root is a read-only tmpfs holding
   read-only binds of /usr, /bin, /lib*, /etc/ld.so.cache and the Python installation, a /dev with
   only null, zero, full, random and urandom, a fresh /proc of its own PID namespace, and one size-capped
@@ -41,22 +48,52 @@ How a run is contained (Linux), every run in its own namespaces:
 - PID namespace: a tiny init (PID 1) runs the code and reaps; when init exits or is killed, the
   kernel kills everything left in the namespace, so no fork bomb or daemon outlives the run. The
   supervisors, inits, code and judge carry PR_SET_PDEATHSIG=SIGKILL, so killing the launcher (the
-  timeout) ends all; the launcher kills a run's supervisor as soon as the judge has decided it.
+  timeout) ends all; the launcher kills a run's supervisor as soon as the judge has decided it. The
+  init starts a session, and so a process group and a scheduler autogroup, of the run's own.
 - As root, the code runs as `nobody` (RLIMIT_NPROC is not enforced for root) with
   PR_SET_NO_NEW_PRIVS; rlimits cap address space, CPU time, file size, open files and processes.
-- No state crosses between runs (tests/test_sandbox_channels.py tries each channel): every run has a
-  user namespace of its own, in which `nobody` is a host uid of that run alone (1<<30 plus its
-  supervisor's pid), and a fresh session keyring, so what the kernel keeps per user (keyrings, key
-  quotas, process counts) is never another run's; /proc/keys and /proc/key-users are hidden. A seccomp
-  filter (`_sandbox/seccomp.py`) refuses keyrings, file locks, leases, dnotify/inotify/fanotify
-  (the view's files are the same host inodes for all runs), page-cache probes (preadv2, cachestat),
-  io_uring, bpf, perf and socket families that no namespace makes private (AF_VSOCK...).
+- Runs share no kernel object, neither a run with a later one nor runs at the same time (the K samples
+  of a batch, or two launchers): tests/test_sandbox_channels.py tries each channel both ways. A run
+  reaches a kernel object only by naming it or by belonging to the group it is kept for, and every
+  name and group is the run's own or refused to it:
+  - per namespace: its processes and their signals (PID), Unix sockets, abstract ones included, and
+    every network object (network), System V IPC and POSIX message queues (IPC), its files (mount);
+  - per user: as root, `nobody` inside the run's own user namespace is a host uid of that run alone
+    (1<<30 plus its supervisor's pid), with a fresh session keyring, so what the kernel keeps per user
+    (keyrings, key quotas, process counts, PRIO_USER) is never another run's; /proc/keys and
+    /proc/key-users are hidden;
+  - per session and process group: the run's own (above), not the launcher's, which holds the whole
+    batch; the kernel groups by them across namespaces (ioprio_get/setpriority of a process group read
+    and set its best priority, kill(0) reaches it, the autogroup's nice is shared by its session);
+  - per file: the view's files are the same host inodes for every run, so objects the kernel keys by a
+    file are refused by a seccomp filter (`_sandbox/seccomp.py`): locks, leases, dnotify, inotify,
+    fanotify, and futexes without FUTEX_PRIVATE_FLAG (keyed by inode and offset even in a private
+    mapping: a shared wait returns at once, a shared wake wakes nobody; private futexes, all that
+    Python uses, are untouched, and a process-shared lock within a run still works by spinning);
+  - per content: KSM's merged pages (madvise MADV_MERGEABLE, PR_SET_MEMORY_MERGE) are refused.
+  The filter also refuses keyrings, direct page-cache probes (preadv2, cachestat), io_uring, bpf, perf
+  and socket families that no namespace makes private (AF_VSOCK...).
+  The judge's schedule carries nothing either: it calls every run of a batch at once, each from its
+  own process and on its own clock, as soon as the run is ready. Called one after the other, a run
+  learnt from when its first call came how long the runs before it were judged, and so whether they
+  passed (a pass is called for every assertion): behind a sample that answers in 0.4 s a call, the
+  next run's first call came 2.8 s after its start when that sample passed, 0.35 s when it failed;
+  now it comes within 0.1 s either way (the catalogue test tries it).
+  Not closed: what every process of the machine wears down or counts. Runs at the same time share the
+  CPUs, caches and memory, so each can time the others' load; a file of the view read by one run is in
+  the page cache for the next (a cold page's first read took 470 us against 20 us warm on the dev
+  VM, and getrusage counts it as a major fault); and global counters move with any run's work (the
+  task count in sysinfo and /proc/loadavg, the inode numbers of new pipes and sockets). These are side
+  channels of the shared kernel and hardware, not objects a run can name; only a kernel per sample (a
+  VM, or gVisor per sample) would remove them. That includes the load of the runs judged beside a
+  run: one that is decided stops, and its siblings may time the CPU it frees.
 - Memory is capped for the run as a whole: a memory cgroup per run (v2, or the v1 memory hierarchy)
   of memory_mb + disk_mb holds all of its processes and its tmpfs; a run the kernel had to kill a
   process of for it fails ("exceeded its memory cap"), even if it answered. Where no cgroup can be
   written (a plain user), the isolation lacks `memcap` and only each process is capped (RLIMIT_AS).
 - Not root: the launcher first creates a user namespace mapping only the caller's uid, which lets it
-  make the same namespaces and mounts; the code and the judge then run as the caller's uid.
+  make the same namespaces and mounts; the code and the judge then run as the caller's uid, so what
+  the kernel counts per user (processes, message-queue bytes, pipe buffers) is shared by its runs.
 
 Where namespaces are refused (a non-root pod on a cluster with a seccomp profile that forbids
 unshare, or user namespaces disabled), the run is refused with SandboxError by default. On a cluster
@@ -71,7 +108,13 @@ hook, and sweeps the run's processes afterwards; files and processes of the same
 Costs (`python -m bench.bench_sandbox`; 2-core dev VM under load): a single check starts three
 interpreters (launcher, judge, worker) and mounts about fifteen filesystems, and takes about as long
 as the old exit-code sandbox did; `check_humaneval_many` shares the launcher, the view and the judge
-among a policy's K samples and costs about a third per sample at K=8.
+among a policy's K samples and costs about a third per sample at K=8. Under load from other sessions a
+batch runs faster since each run has a session, and so a scheduler autogroup, of its own: its K runs
+get K sessions' share of the CPUs, where the launcher's one session held them all. The judge forks a
+process per run to call them at once (about 1.5 ms of CPU each): a batch of 8 canonical solutions,
+whose calls are quick, takes as long as with one judge calling the runs in turn (1.0x), and a batch
+whose runs answer slowly or hang takes about its longest run, not the sum (8 runs that hang, with
+timeout_s=1 on 2 CPUs: 4.5 s against 8.4 s).
 
 Where it is: this module takes the options, picks the interpreter and the user, and checks what it is
 given; sandbox_launch.py starts the launcher, reads its report into SandboxResults and cleans up; the
@@ -140,8 +183,11 @@ def check_humaneval_many(
     problem: dict, completions: list[str], timeout_s: float = 10.0, **kwargs
 ) -> list[SandboxResult]:
     """Judge several completions of one problem (a policy's K samples) with one launcher, one read-only
-    view and one judge; each completion still runs in its own PID and mount namespace with its own
-    tmpfs and limits, so none can see, signal or leave files for another. timeout_s is per completion.
+    view and one judge, which judges them all at once; each completion still runs in its own
+    namespaces, user, session and process group, with its own tmpfs and limits, so none can see,
+    signal, leave files for or share a kernel object with another while they run side by side, nor
+    learn from when it is called how the others fare. timeout_s is per completion, on a clock that
+    runs slower while more completions than CPUs are undecided (see the module docstring).
     Results come in the order of `completions`, each as check_humaneval would give it."""
     for key in ("prompt", "test", "entry_point"):
         if key not in problem:

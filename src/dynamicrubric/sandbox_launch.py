@@ -114,7 +114,8 @@ def execute(
         config = {
             "python": python,
             "codes": codes,
-            "job": None if job is None else {**job, "timeout_s": timeout_s},
+            # cpus: the judge slows each run's clock while more runs than CPUs are judged at once
+            "job": None if job is None else {**job, "timeout_s": timeout_s, "cpus": usable_cpus()},
             "child_source": _child_source(),
             "base": str(base),
             "user": list(user[:2]) if user else None,
@@ -145,7 +146,8 @@ def execute(
             with contextlib.suppress(BrokenPipeError):  # a launcher that died early is reported below
                 proc.stdin.write(json.dumps(config).encode())
             proc.stdin.close()
-            # Runs are judged one after the other, each within timeout_s; a little more for the start.
+            # Runs are judged at once, each within timeout_s of its clock, which runs at no less than
+            # 1/len(codes) of the wall clock (see RunClock in _sandbox/child.py); a little more for the start.
             timed_out = not _wait(
                 proc, timeout_s * len(codes) + (5 if job is not None and len(codes) > 1 else 0)
             )
@@ -188,6 +190,38 @@ def execute(
                 os.close(fd)
         _remove_tree(base)
         _remove_cgroups(cgroups)
+
+
+@functools.cache
+def usable_cpus() -> float:
+    """How many CPUs' time this process can use at once: the CPUs it may run on, less where a CPU quota
+    of its cgroup or of one above it (cgroup v2 cpu.max, v1 cpu.cfs_quota_us: a pod's CPU limit, which
+    may be a fraction) allows less. Read once: neither changes under a running process as a rule."""
+    count: float = len(os.sched_getaffinity(0))
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return count
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            root, files = Path("/sys/fs/cgroup"), ("cpu.max",)
+        elif "cpu" in controllers.split(","):
+            root, files = Path("/sys/fs/cgroup") / controllers, ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        else:
+            continue
+        folder = Path(path)
+        while True:  # the cgroup and each one above it (a path from outside a container may not exist)
+            with contextlib.suppress(OSError, ValueError):
+                quota, period = " ".join(
+                    (root / folder.relative_to("/") / f).read_text() for f in files
+                ).split()
+                if quota not in ("max", "-1"):
+                    count = min(count, int(quota) / int(period))
+            if folder == folder.parent:
+                break
+            folder = folder.parent
+    return count
 
 
 def _wait(proc: subprocess.Popen, timeout_s: float) -> bool:

@@ -34,9 +34,16 @@ class ServerError(RuntimeError):
 
 
 def free_port() -> int:
+    """A port free now; another process may take it before the caller binds it (see VLLMServer)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+# `vllm serve` binds its port itself, long after free_port() let it go, and a socket cannot be handed to
+# it: a server that exits because another process took the port starts again on a new one, this often.
+BIND_ATTEMPTS = 3
+ADDRESS_IN_USE = "Address already in use"  # what Linux's EADDRINUSE says in the server's traceback
 
 
 class VLLMServer:
@@ -55,9 +62,11 @@ class VLLMServer:
         self.role, self.port = role, port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_dir) / f"{role}.log"
+        self.attempts_left = BIND_ATTEMPTS - 1 if port is None else 0  # a port the caller chose stays
         s = cfg.serving
         cmd = [*s.command, "--model", str(model_dir), "--served-model-name", role]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--seed", str(cfg.seed)]
+        self._port_word = len(cmd) - 3
         cmd += ["--dtype", "auto" if cfg.engine.dtype == "auto" else cfg.engine.dtype]
         cmd += ["--enable-prefix-caching"]  # the judge's questions about one response share its prefix
         if s.max_model_len:
@@ -68,14 +77,24 @@ class VLLMServer:
             cmd += ["--data-parallel-size", str(len(gpus))]
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         cmd += list(s.server_args)
-        self.command = cmd
+        self.command, self._env = cmd, env
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting the %s server on %s: %s", role, gpus or "CPU", " ".join(cmd))
+        self._start()
+
+    def _start(self) -> None:
+        self._log_from = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as out:
             # Its own process group, so stopping it also stops vLLM's engine-core workers.
             self.process = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                self.command, stdout=out, stderr=subprocess.STDOUT, env=self._env, start_new_session=True
             )
+
+    def _lost_its_port(self) -> bool:
+        """Whether the server that exited could not bind its port, and may start again on another."""
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_from)
+            return self.attempts_left > 0 and ADDRESS_IN_USE in f.read().decode(errors="replace")
 
     def wait_healthy(self, timeout_s: float) -> None:
         """Until GET /health answers 200; a server that exits or takes longer fails with its log."""
@@ -84,6 +103,14 @@ class VLLMServer:
         started = time.monotonic()
         next_note = started + 30
         while True:
+            if self.process.poll() is not None and self._lost_its_port():
+                taken, self.port = self.port, free_port()
+                self.attempts_left -= 1
+                self.url = f"http://127.0.0.1:{self.port}"
+                self.command[self._port_word] = str(self.port)
+                log.warning("the %s server could not bind port %d (another process took it); starting it "
+                            "again on port %d", self.role, taken, self.port)  # fmt: skip
+                self._start()
             if self.process.poll() is not None:
                 raise ServerError(
                     f"the {self.role} server exited with code {self.process.returncode} before it was "

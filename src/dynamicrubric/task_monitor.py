@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import tempfile
 import threading
@@ -164,6 +165,7 @@ class TaskMonitor:
         self.tasks: list[dict] = []
         self._lock = threading.Lock()
         self._local = threading.local()  # the entry of the task this worker thread is running
+        self._kfp_filter = _KfpInfoFilter(verbose)  # replaced by the one a run installs (routed)
 
     def _write(self, stream, text: str) -> None:
         with self._lock:
@@ -191,7 +193,7 @@ class TaskMonitor:
             (logging_utils, "print_horizontal_line", lambda: None),
         ]
         originals = [(module, name, getattr(module, name)) for module, name, _ in saved]
-        kfp_filter = _KfpInfoFilter(self.verbose)
+        kfp_filter = self._kfp_filter = _KfpInfoFilter(self.verbose)
         handlers = logging.getLogger().handlers
         with warnings.catch_warnings():
             if not self.verbose:
@@ -297,6 +299,11 @@ class TaskMonitor:
                 f"{clear}{stamp} done   {label:<34} {seconds:6.1f}s  cpu {cores_busy:3.1f}x  "
                 f"rss {entry['max_rss_mb'] / 1000:4.1f} GB  {logs.format_numbers(numbers)}\n",
             )
+        elif code in STOPPED_CODES:
+            # Stopped by a Ctrl-C or a pod's stop (stopping.py): the run reports it in one line, so
+            # neither this task nor kfp's record of it as a failure adds one.
+            entry["status"] = "stopped"
+            self._kfp_filter.quiet = True
         else:
             entry["status"] = "failed"
             tail = log_path.read_text(errors="replace").splitlines()[-FAILED_TAIL_LINES:]
@@ -309,15 +316,23 @@ class TaskMonitor:
         return code
 
 
+# A task's exit code when a SIGINT or SIGTERM stopped it: 128 + the signal from stopping.Stopped, or
+# the negative signal number of a process the signal ended before it could say so.
+STOPPED_CODES = {128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM}
+
+
 class _KfpInfoFilter(logging.Filter):
     """Drops kfp.local's INFO records (it logs through the root logger) unless verbose."""
 
     def __init__(self, verbose: bool):
         super().__init__()
         self.verbose = verbose
+        self.quiet = False  # a task was stopped: kfp's records of the run's end say nothing more
 
     def filter(self, record: logging.LogRecord) -> bool:
         from_kfp = f"{os.sep}kfp{os.sep}" in record.pathname
+        if from_kfp and self.quiet:
+            return False
         return self.verbose or not from_kfp or record.levelno >= logging.WARNING
 
 

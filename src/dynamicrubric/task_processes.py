@@ -82,11 +82,23 @@ class _Subprocess(TaskProcess):
 
 
 class _Fork(TaskProcess):
-    def __init__(self, context, component_code: str, executor_args: list[str], env: dict[str, str]):
+    def __init__(
+        self,
+        context,
+        component_code: str,
+        executor_args: list[str],
+        env: dict[str, str],
+        target=None,
+        target_args: tuple = (),
+    ):
+        # `target` (with `target_args` before the executor's) runs in the child instead of _run_executor
+        # and must end by calling it: the tests' pod stand-in sets the child up as a pod first.
         output_r, output_w = context.Pipe(duplex=False)
         usage_r, usage_w = context.Pipe(duplex=False)
         self._process = context.Process(
-            target=_run_executor, args=(component_code, executor_args, env, output_w, usage_w), daemon=False
+            target=target or _run_executor,
+            args=(*target_args, component_code, executor_args, env, output_w, usage_w),
+            daemon=False,
         )
         self._process.start()
         # The child holds its own copies now: closing ours lets `output` end when the task's processes do.
@@ -98,7 +110,10 @@ class _Fork(TaskProcess):
 
     def wait(self) -> tuple[int, Usage]:
         self._process.join()
-        usage = self._usage.recv() if self._usage.poll() else Usage()  # none if the task was killed
+        try:
+            usage = self._usage.recv() if self._usage.poll() else Usage()
+        except EOFError:  # a killed task (an OOM kill, say) sent none: poll() saw the pipe's end
+            usage = Usage()
         self._usage.close()
         self.output.close()
         self._output_r.close()
@@ -184,6 +199,11 @@ def _run_executor(
         import torch
 
         torch.set_num_threads(int(threads))
+    from dynamicrubric.stopping import Stopped, raise_on_stop_signals
+
+    # A Ctrl-C reaches every process of the terminal's group, the tasks too, and a pod's stop is a
+    # SIGTERM: the task unwinds (its temp folders go) and ends without a traceback; the run says it.
+    raise_on_stop_signals()
     code = 0
     with tempfile.TemporaryDirectory() as program_path:
         component = Path(program_path) / "ephemeral_component.py"
@@ -197,6 +217,8 @@ def _run_executor(
             elif e.code is not None:
                 print(e.code, file=sys.stderr)
                 code = 1
+        except Stopped as e:
+            code = e.exit_code
         except BaseException:
             traceback.print_exc()
             code = 1

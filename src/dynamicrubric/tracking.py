@@ -1,8 +1,11 @@
 """MLflow lineage: one parent run per pipeline run, a nested run per round, a nested run per stage.
 
-The pipeline's first task creates the parent run (params: the whole config) and one child run per
-round, tagged with its round number; every stage task then opens its own run nested under its
-round, found by that tag, so parallel shards never race to create a round. Stages log their
+The pipeline's first task creates the parent run (params: the whole config), started when that
+task's process started. A round's run is created by the first of its tasks to reach MLflow, with
+that task's start as its own (MLflow cannot move a run's start later), and every stage task opens its
+own run nested under its round's, found by the round tag; parallel first tasks that each created one
+are merged into the earliest (`_round_run`). Each stage run's end moves its round's and the parent's
+end on (`extend_spans`), so the UI's durations span the round's and the pipeline's tasks. Stages log their
 artifacts as MLflow datasets whose source is the artifact URI, their numbers as metrics, and each
 checkpoint as an external LoggedModel pointing at its URI.
 
@@ -17,6 +20,7 @@ import hashlib
 import logging
 import os
 import time
+import urllib.parse
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,13 +40,32 @@ def tracking_uri(cfg: Config) -> str:
     uri = os.environ.get("MLFLOW_TRACKING_URI") or cfg.pipeline.mlflow_tracking_uri
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         # Tasks may run in another working directory: pin a relative database path to an absolute one.
-        uri = "sqlite:///" + str(Path(uri.removeprefix("sqlite:///")).resolve())
+        # abspath, not resolve: a path through a symlink loop is refused by unreachable(), not here
+        uri = "sqlite:///" + os.path.abspath(uri.removeprefix("sqlite:///"))
     return uri
 
 
+# The tracking URIs MLflow takes: a server, a database (SQLAlchemy's dialect[+driver]://), a file store
+# (a path or file://), Databricks. Anything else launched a run whose first task failed 20 s later.
+TRACKING_SCHEMES = ("", "file", "http", "https", "sqlite", "postgresql", "mysql", "mssql", "databricks")
+
+
+def uri_scheme(uri: str) -> str:
+    """The scheme of a tracking URI without a driver (`postgresql+psycopg2` is `postgresql`); "" for a
+    plain path."""
+    return urllib.parse.urlparse(uri).scheme.partition("+")[0].lower() if "://" in uri else ""
+
+
 def unreachable(uri: str, timeout_s: float = 5.0) -> str | None:
-    """Why the tracking store at `uri` cannot be used from here, or None. A server must answer its
-    /health; a sqlite database's folder must exist (MLflow creates the file, not the folder)."""
+    """Why the tracking store at `uri` cannot be used from here, or None. Its scheme must be one MLflow
+    takes; a server must answer its /health; a sqlite database's folder must exist (MLflow creates the
+    file, not the folder)."""
+    scheme = uri_scheme(uri)
+    if scheme not in TRACKING_SCHEMES:
+        return (
+            f"unsupported scheme {scheme!r}; use http(s)://, sqlite:///, file:// or a database URI "
+            "(postgresql://, mysql://, mssql://)"
+        )
     if uri.startswith(("http://", "https://")):
         import urllib.error
         import urllib.request
@@ -100,34 +123,19 @@ def mlflow_source(uri: str) -> str:
 
 
 def start_pipeline_run(cfg: Config, run_name: str, rounds: int, *, join: bool = False) -> str:
-    """Create the parent run and its round runs; return the parent run id ("" when tracking is off).
+    """Create the parent run, started with this task's process; return its id ("" when tracking is
+    off). The `rounds` runs are not made here: each round's first task makes its run (`_round_run`),
+    so that it starts when the round does.
 
     With `join` (a later segment of a chained run) the newest parent run of `run_name` is reused when
-    there is one, so that the whole chain's stage runs sit under one parent; a round run it lacks is
-    added."""
+    there is one, so that the whole chain's stage runs sit under one parent."""
     uri = tracking_uri(cfg)
     if not uri:
         return ""
     mlflow = _mlflow(cfg)
     existing = find_pipeline_run(cfg, run_name) if join else None
     if existing:
-        client = mlflow.MlflowClient()
-        experiment_id = client.get_run(existing).info.experiment_id
-        have = {
-            r.data.tags.get(ROUND_TAG)
-            for r in client.search_runs(
-                [experiment_id], filter_string=f"tags.mlflow.parentRunId = '{existing}'", max_results=5000
-            )
-            if STAGE_TAG not in r.data.tags
-        }
-        for t in range(1, rounds + 1):
-            if str(t) not in have:
-                created = client.create_run(
-                    experiment_id,
-                    run_name=f"round-{t}",
-                    tags={ROUND_TAG: str(t), "mlflow.parentRunId": existing},
-                )
-                client.set_terminated(created.info.run_id)
+        # the round runs are created by their rounds' first tasks (stage_run)
         log.info("MLflow: joined parent run %s at %s", existing, uri)
         return existing
     if uri.startswith("sqlite:///") and mlflow.get_experiment_by_name(cfg.pipeline.experiment) is None:
@@ -136,24 +144,27 @@ def start_pipeline_run(cfg: Config, run_name: str, rounds: int, *, join: bool = 
         beside_db = Path(uri.removeprefix("sqlite:///")).parent / "mlruns"
         mlflow.create_experiment(cfg.pipeline.experiment, artifact_location=beside_db.as_uri())
     experiment = mlflow.set_experiment(cfg.pipeline.experiment)
-    with mlflow.start_run(run_name=run_name, experiment_id=experiment.experiment_id) as parent:
-        mlflow.set_tags({PIPELINE_TAG: run_name, STAGE_TAG: "pipeline"})
+    from mlflow.tracking.context.registry import resolve_tags
+
+    # started with this (the pipeline's first) task's process; its end follows the last stage run's
+    tags = resolve_tags(
+        {PIPELINE_TAG: run_name, STAGE_TAG: "pipeline", **_source_tags(f"pipeline run {run_name}")}
+    )
+    created = mlflow.MlflowClient().create_run(
+        experiment.experiment_id, start_time=int(process_started() * 1000), tags=tags, run_name=run_name
+    )
+    with mlflow.start_run(run_id=created.info.run_id) as parent:
         params = {k: ("" if v is None else str(v))[:6000] for k, v in cfg.flat().items()}
         mlflow.log_params(params)
         mlflow.log_text(cfg.to_yaml(), "config.yaml")
-        for t in range(1, rounds + 1):
-            with mlflow.start_run(
-                run_name=f"round-{t}",
-                experiment_id=experiment.experiment_id,
-                nested=True,
-                tags={ROUND_TAG: str(t)},
-            ):
-                pass
         parent_id = parent.info.run_id
     log.info(
         "MLflow: parent run %s in experiment %r at %s", parent_id, cfg.pipeline.experiment, tracking_uri(cfg)
     )
     return parent_id
+
+
+MAX_TAG_CHARS = 5000  # MLflow's limit on a tag's value
 
 
 class StageRun:
@@ -196,6 +207,17 @@ class StageRun:
                     raise
                 log.info("MLflow: dataset %s was logged concurrently; retrying", uri)
                 self.mlflow.log_input(dataset, context=context, tags=tags)
+
+    def set_tags(self, tags: dict[str, str], *, above: dict[str, str] | None = None) -> None:
+        """`tags` on this run, and `above` (default: the same) on every run it is nested under (its
+        round's run and the pipeline's parent run), where the MLflow run list shows them."""
+        client = self.mlflow.MlflowClient()
+        run_id, values = self.run_id, tags
+        while run_id:
+            for key, value in values.items():
+                client.set_tag(run_id, key, value[:MAX_TAG_CHARS])
+            run_id = client.get_run(run_id).data.tags.get("mlflow.parentRunId", "")
+            values = tags if above is None else above
 
     def log_params(self, params: dict[str, object]) -> None:
         """The stage's inputs that are not artifacts (model references, seeds, shard), to rerun it."""
@@ -318,7 +340,7 @@ def mlflow_client(cfg: Config):
 
 def stage_runs_by_round(cfg: Config, parent_run_id: str) -> dict[int, list]:
     """The stage runs of one pipeline run, by round: round 0's sit under the parent run, the others
-    under their round's run. Every round run appears, with [] when none of its stages ran."""
+    under their round's run. Every round that has a run appears."""
     client = mlflow_client(cfg)
     experiment = client.get_run(parent_run_id).info.experiment_id
 
@@ -353,7 +375,13 @@ def process_started() -> float:
 
 @contextlib.contextmanager
 def stage_run(
-    cfg: Config, run_name: str, round_idx: int, stage: str, *, started: float | None = None
+    cfg: Config,
+    run_name: str,
+    round_idx: int,
+    stage: str,
+    *,
+    started: float | None = None,
+    command: str = "",
 ) -> Iterator[StageRun | None]:
     """A run for one stage task, nested under its round's run (or the parent for round 0).
 
@@ -366,7 +394,8 @@ def stage_run(
     A run that is still RUNNING under the same round with the same stage name is a killed attempt of
     this task (the process died while logging): it is marked FAILED. `started`, the stage's
     time.perf_counter() when its function began, is also logged as the metric `stage_wall_s` (model
-    loading included; process start and imports are not).
+    loading included; process start and imports are not). `command` is the stage's CLI name (judge for
+    the task generator-judge-0), which the run's source names in its rerun command.
     """
     from mlflow.tracking.context.registry import resolve_tags
 
@@ -384,15 +413,10 @@ def stage_run(
     mlflow = _mlflow(cfg)
     client = mlflow.MlflowClient()
     experiment_id = client.get_run(parent_run_id).info.experiment_id
+    start_ms = int(process_started() * 1000)
     nest_under = parent_run_id
     if round_idx > 0:
-        found = client.search_runs(
-            [experiment_id],
-            filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}' and tags.`{ROUND_TAG}` = '{round_idx}'",
-        )
-        if not found:
-            raise RuntimeError(f"MLflow: run {parent_run_id} has no round-{round_idx} child run")
-        nest_under = found[0].info.run_id
+        nest_under = _round_run(client, experiment_id, parent_run_id, round_idx, start_ms)
     for stale in client.search_runs(
         [experiment_id],
         filter_string=f"tags.mlflow.parentRunId = '{nest_under}' and tags.`{STAGE_TAG}` = '{stage}' "
@@ -407,10 +431,13 @@ def stage_run(
     # The client's create_run takes a start time (mlflow.start_run does not); resolve_tags adds what
     # mlflow.start_run would (user, source).
     tags = resolve_tags({STAGE_TAG: stage, ROUND_TAG: str(round_idx), "mlflow.parentRunId": nest_under})
-    created = client.create_run(
-        experiment_id, start_time=int(process_started() * 1000), tags=tags, run_name=stage
-    )
-    with mlflow.start_run(run_id=created.info.run_id) as run:
+    created = client.create_run(experiment_id, start_time=start_ms, tags=tags, run_name=stage)
+    run_id = created.info.run_id
+    # MLflow's Source column: the command that reruns this task, not the KFP executor's script
+    rerun = f"stage {command or stage} --from-run {run_id}"
+    for key, value in {**_source_tags(rerun), "mlflow.note.content": RERUN_NOTE.format(rerun=rerun)}.items():
+        client.set_tag(run_id, key, value)
+    with mlflow.start_run(run_id=run_id) as run:
         stage_run = StageRun(mlflow, run.info.run_id)
         yield stage_run
         summary = dict(stage_run.summary)
@@ -418,7 +445,114 @@ def stage_run(
             wall = time.perf_counter() - started
             mlflow.log_metric("stage_wall_s", wall)
             summary = {"time_s": round(wall, 1), **summary}
+    # A round run merged away meanwhile (parallel first tasks) leaves this run under the earliest one.
+    if round_idx > 0:
+        keep = _round_run(client, experiment_id, parent_run_id, round_idx, start_ms)
+        if keep != nest_under:
+            client.set_tag(run_id, "mlflow.parentRunId", keep)
+    extend_spans(client, run_id, client.get_run(run_id).info.end_time)
     logs.emit_summary(summary, run_id=stage_run.run_id)
+
+
+RERUN_NOTE = (
+    "Rerun this task with `dynrubric {rerun} --out-NAME URI ...` (`dynrubric stage NAME --help` lists the "
+    "outputs to give); its config, inputs, params and models come from this run."
+)
+
+
+def _source_tags(what: str) -> dict[str, str]:
+    """MLflow's source tags naming `dynrubric <what>`, in place of the script that ran (KFP's
+    executor_main.py says nothing about how to rerun a task)."""
+    return {"mlflow.source.name": f"dynrubric {what}", "mlflow.source.type": "LOCAL"}
+
+
+def _round_runs(client, experiment_id: str, parent_run_id: str, round_idx: int) -> list:
+    return client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}' and tags.`{ROUND_TAG}` = '{round_idx}'",
+        max_results=5000,
+    )
+
+
+def _round_run(client, experiment_id: str, parent_run_id: str, round_idx: int, start_ms: int) -> str:
+    """The id of round `round_idx`'s run, created (started at `start_ms`, a task's start) when the
+    round has none that started as early. Parallel first tasks may each create one: the earliest (by
+    start, then id) is kept and the others' children are moved to it before they are deleted, so
+    whichever task looks last leaves one round run that starts with the round's first task."""
+    from mlflow.exceptions import MlflowException
+
+    found = [
+        r
+        for r in _round_runs(client, experiment_id, parent_run_id, round_idx)
+        if STAGE_TAG not in r.data.tags
+    ]
+    if all(r.info.start_time > start_ms for r in found):  # none, or all started after this task
+        tags = {ROUND_TAG: str(round_idx), "mlflow.parentRunId": parent_run_id}
+        tags.update(_source_tags(f"round {round_idx}"))
+        created = client.create_run(
+            experiment_id, start_time=start_ms, tags=tags, run_name=f"round-{round_idx}"
+        )
+        # another first task may have merged it away already (it found an earlier one)
+        with contextlib.suppress(MlflowException):
+            client.set_terminated(created.info.run_id, end_time=start_ms)
+        found = [
+            r
+            for r in _round_runs(client, experiment_id, parent_run_id, round_idx)
+            if STAGE_TAG not in r.data.tags
+        ]
+    keep, *others = sorted(found, key=lambda r: (r.info.start_time, r.info.run_id))
+    for other in others:
+        for child in client.search_runs(
+            [experiment_id],
+            filter_string=f"tags.mlflow.parentRunId = '{other.info.run_id}'",
+            max_results=5000,
+        ):
+            client.set_tag(child.info.run_id, "mlflow.parentRunId", keep.info.run_id)
+            _extend_end(client, keep.info.run_id, child.info.end_time)
+        with contextlib.suppress(MlflowException):  # another task merged it first
+            client.delete_run(other.info.run_id)
+    return keep.info.run_id
+
+
+def _extend_end(client, run_id: str, end_ms: int | None) -> None:
+    """Move a finished run's end to `end_ms` when that is later; its status stays. A round run that
+    a parallel task merged away (deleted) is left alone: its stage runs move to the kept one."""
+    from mlflow.exceptions import MlflowException
+
+    if end_ms is None:
+        return
+    info = client.get_run(run_id).info
+    if info.status != "RUNNING" and info.lifecycle_stage == "active" and (info.end_time or 0) < end_ms:
+        with contextlib.suppress(MlflowException):  # deleted meanwhile
+            client.set_terminated(run_id, status=info.status, end_time=end_ms)
+
+
+def extend_spans(client, run_id: str, end_ms: int | None) -> None:
+    """Move the ends of `run_id`'s round run and the pipeline's parent run to `end_ms` when it is
+    later: each spans its tasks (start of the first to end of the last)."""
+    parent = client.get_run(run_id).data.tags.get("mlflow.parentRunId")
+    for _ in range(2):  # stage -> round -> pipeline
+        if not parent:
+            return
+        _extend_end(client, parent, end_ms)
+        parent = client.get_run(parent).data.tags.get("mlflow.parentRunId")
+
+
+def settle_spans(cfg: Config, parent_run_id: str) -> None:
+    """Once a pipeline run has ended: each round run ends with its last stage run and the parent
+    with the last of them, whatever order the tasks' updates reached MLflow in."""
+    client = mlflow_client(cfg)
+    latest = 0
+    for t, stages in stage_runs_by_round(cfg, parent_run_id).items():
+        ends = [s.info.end_time for s in stages if s.info.end_time]
+        if not ends:
+            continue
+        latest = max(latest, *ends)
+        if t > 0:
+            for r in _round_runs(client, client.get_run(parent_run_id).info.experiment_id, parent_run_id, t):
+                if STAGE_TAG not in r.data.tags:
+                    _extend_end(client, r.info.run_id, max(ends))
+    _extend_end(client, parent_run_id, latest or None)
 
 
 def end_stage_run_at(uri: str, run_id: str, end_s: float) -> None:
@@ -430,3 +564,82 @@ def end_stage_run_at(uri: str, run_id: str, end_s: float) -> None:
     client = MlflowClient(tracking_uri=uri)
     status = client.get_run(run_id).info.status
     client.set_terminated(run_id, status=status, end_time=int(end_s * 1000))
+    extend_spans(client, run_id, int(end_s * 1000))
+
+
+GOLD_NAME = "gold"  # the Expectation of a judged response: its rank in its labelled list, its checker score
+
+
+def log_traced_sets(run: StageRun, sets: list[dict], round_idx: int) -> list[str]:
+    """Each judged candidate set (evaluate.traced_sets) as one MLflow trace of the stage's run: a
+    span for G's rubrics (items, weights, whether its output parsed, the model), a span per response
+    with its score, V's P(yes) on each item as a Feedback named by the item (weight as rationale,
+    source LLM_JUDGE with the verifier's reference; a failed verdict as an error, never a 0), and
+    the response's gold as an Expectation. Returns the trace ids.
+
+    The assessments go into the trace before it is exported, so a trace is one write to the store
+    (log_feedback after the trace is one write per assessment: about 30 ms each on sqlite)."""
+    from mlflow.entities import AssessmentError, AssessmentSource, AssessmentSourceType, SpanType
+    from mlflow.entities.assessment import Expectation, Feedback
+    from mlflow.tracing.trace_manager import InMemoryTraceManager
+
+    # the trace is written when its root span ends, not by a background thread that may lag the run
+    os.environ["MLFLOW_ENABLE_ASYNC_TRACE_LOGGING"] = "false"
+    mlflow = run.mlflow
+    ids = []
+    for s in sets:
+        judge = AssessmentSource(source_type=AssessmentSourceType.LLM_JUDGE, source_id=s["verifier"])
+        items = {(r["rubric_idx"], i): item for r in s["rubrics"] for i, item in enumerate(r["items"])}
+        with mlflow.start_span(name=f"judged set {s['set_id']}", span_type=SpanType.EVALUATOR) as root:
+            trace_id = root.trace_id
+            root.set_inputs({"prompt": s["prompt"], "responses": len(s["responses"])})
+            root.set_attributes({"round": round_idx, "job": s["job"], "variant": s["variant"]})
+            with mlflow.start_span(name="rubric generation", span_type=SpanType.LLM) as gen:
+                gen.set_inputs({"prompt": s["prompt"], "model": s["generator"]})
+                gen.set_outputs({"rubrics": s["rubrics"]})
+                held = all(r["parse_status"] == "json" for r in s["rubrics"])
+                gen.set_attributes({"model": s["generator"], "grammar_held": held})
+            assessments = []
+            for response in s["responses"]:
+                sample = response["sample_idx"]
+                with mlflow.start_span(name=f"judge response {sample}", span_type=SpanType.LLM) as span:
+                    span.set_inputs({"response": response["response"], "model": s["verifier"]})
+                    span.set_outputs({"scores": response["scores"], "gold": response["gold"]})
+                    span.set_attributes({"model": s["verifier"], "sample_idx": sample})
+                meta = {"sample_idx": str(sample)}
+                for v in response["verdicts"]:
+                    item = items.get((v["rubric_idx"], v["item_idx"]))
+                    if item is None:
+                        continue
+                    failed = v["p_yes"] is None
+                    assessments.append(
+                        Feedback(
+                            name=f"r{v['rubric_idx']}.{v['item_idx']}: {item['text']}"[:250],
+                            value=None if failed else v["p_yes"],
+                            error=AssessmentError(
+                                error_code="VERDICT_FAILED", error_message="the verifier's call failed"
+                            )
+                            if failed
+                            else None,
+                            rationale=f"weight {item['weight']}",
+                            source=judge,
+                            trace_id=trace_id,
+                            span_id=span.span_id,
+                            metadata=meta,
+                        )
+                    )
+                if response["gold"]:
+                    assessments.append(
+                        Expectation(
+                            name=GOLD_NAME,
+                            value=response["gold"],
+                            trace_id=trace_id,
+                            span_id=span.span_id,
+                            metadata=meta,
+                        )
+                    )
+            root.set_outputs({str(r["sample_idx"]): r["scores"] for r in s["responses"]})
+            with InMemoryTraceManager.get_instance().get_trace(trace_id) as live:
+                live.info.assessments.extend(assessments)
+        ids.append(trace_id)
+    return ids

@@ -7,12 +7,14 @@ ENTRY_POINT`, inside the sandbox's read-only view where this package is not inst
 - The worker (untrusted) runs the completion's program (`main.py`: the problem's prompt plus the
   completion) and then serves calls: it reads `[args, kwargs]` frames on fd 3, calls the entry point
   and writes the result as a plain value on fd 4. It never sees the tests.
-- The judge (trusted, another process, another user, outside the workers' PID namespaces) runs the
-  problem's prompt (for its helpers, with the stub's body left empty) and the test code, with
-  `candidate` bound to a proxy that sends each call to a worker and returns the decoded result; one
-  run after the other, each with a fresh namespace and its own deadline. The verdict is the judge's:
-  `check(candidate)` returned normally, every assertion held and no answer was rejected. It is written
-  to fd 3, which only the launcher reads.
+- The judge (trusted, another user, outside the workers' PID namespaces) runs the problem's prompt
+  (for its helpers, with the stub's body left empty) and the test code once, then forks one judge per
+  run, which binds `candidate` to a proxy that sends each call to its run's worker and returns the
+  decoded result. The runs' judges work at the same time, each on its own copy of that namespace and
+  with its own clock (`RunClock`), so when a run is called, and how long it is given, never waits on
+  another run being judged. The verdict is the judge's: `check(candidate)` returned normally, every
+  assertion held and no answer was rejected. The first judge writes each on fd 3, which only the
+  launcher reads, as the runs' judges decide them.
 
 Values cross between the two as JSON trees of exact builtin types (`to_plain` / `from_plain`): the
 judge's decoder builds only int, float, complex, str, bytes, bool, None, list, tuple, dict, set and
@@ -23,6 +25,7 @@ builtin `==`. The worker's encoder refuses subclasses and other types (an object
 
 import builtins
 import json
+import mmap
 import os
 import select
 import struct
@@ -32,7 +35,11 @@ import time
 MAX_FRAME = 16 << 20  # bytes in one message; a bigger answer is a failure, not a memory blow-up
 REQUESTS_FD, REPLIES_FD = 3, 4  # the worker's ends
 VERDICT_FD = 3  # the judge's: one verdict a line; run i's calls go out on fd 4+2i, answers come on 5+2i
-PR_SET_DUMPABLE = 4
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
+SIGKILL = 9
+# How long a run's judge waits on its worker before it looks at the run's clock again: a sibling decided
+# meanwhile makes the clock run faster.
+CLOCK_SLICE_S = 0.1
 
 _SCALARS = (type(None), bool, int, float, str)
 _SEQUENCES = {list: "list", tuple: "tuple", set: "set", frozenset: "frozenset"}
@@ -92,18 +99,52 @@ def write_frame(fd: int, message: object) -> None:
     data = json.dumps(message, separators=(",", ":")).encode()
     if len(data) > MAX_FRAME:
         raise ValueError(f"message of {len(data)} bytes exceeds {MAX_FRAME}")
-    view = memoryview(struct.pack(">I", len(data)) + data)
+    _write_all(fd, struct.pack(">I", len(data)) + data)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
 
 
-def _read_exactly(fd: int, n: int, deadline: float | None) -> bytes:
+class RunClock:
+    """A run's time against its limit: wall time, slowed while the batch has more undecided runs than
+    CPUs. The runs of a batch are judged at the same time, so n of them on c CPUs get c/n of a CPU each
+    at worst (each run's code and judge are sessions, and so scheduler groups, of their own); counting
+    a second as min(1, c/n) of one keeps a run's limit from being eaten by its siblings, and a run
+    left alone gets the wall clock. `undecided` holds a byte per run of the batch, 1 until it is decided.
+
+    The clock tells the run nothing: it only decides when the run is stopped, and a stopped run has
+    failed. Its rate only rises (runs are decided, never added), so waiting `left_s()` at the rate last
+    seen never stops a run early."""
+
+    def __init__(self, limit_s: float, cpus: float, undecided: mmap.mmap) -> None:
+        self.limit_s, self.cpus, self.undecided = limit_s, cpus, undecided
+        self.used_s = 0.0
+        self.last = time.monotonic()
+        self.rate = self._rate()
+
+    def _rate(self) -> float:
+        return min(1.0, self.cpus / max(1, self.undecided[:].count(1)))
+
+    def left_s(self) -> float:
+        """Wall seconds the run may still take at the current rate; 0 once its time is used up."""
+        now = time.monotonic()
+        self.used_s += (now - self.last) * self.rate
+        self.last, self.rate = now, self._rate()
+        return max(0.0, (self.limit_s - self.used_s) / self.rate)
+
+
+def _read_exactly(fd: int, n: int, clock: RunClock | None) -> bytes:
     chunks, left = [], n
     while left:
-        if deadline is not None:
-            wait = deadline - time.monotonic()
-            if wait <= 0 or not select.select([fd], [], [], wait)[0]:
+        while clock is not None:
+            wait = clock.left_s()
+            if wait <= 0:
                 raise TimeoutError("no answer within the run's time")
+            if select.select([fd], [], [], min(wait, CLOCK_SLICE_S))[0]:
+                break
         chunk = os.read(fd, min(left, 1 << 20))
         if not chunk:
             raise EOFError("the other side closed the channel")
@@ -112,11 +153,11 @@ def _read_exactly(fd: int, n: int, deadline: float | None) -> bytes:
     return b"".join(chunks)
 
 
-def read_frame(fd: int, deadline: float | None = None) -> object:
-    (size,) = struct.unpack(">I", _read_exactly(fd, 4, deadline))
+def read_frame(fd: int, clock: RunClock | None = None) -> object:
+    (size,) = struct.unpack(">I", _read_exactly(fd, 4, clock))
     if size > MAX_FRAME:
         raise ValueError(f"message of {size} bytes exceeds {MAX_FRAME}")
-    return json.loads(_read_exactly(fd, size, deadline))
+    return json.loads(_read_exactly(fd, size, clock))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -134,8 +175,8 @@ class CandidateRaised(Exception):  # noqa: N818 - stands for the candidate's own
 class Candidate:
     """Stands for the completion's function in the judge: each call runs in the run's worker."""
 
-    def __init__(self, requests_fd: int, replies_fd: int, deadline: float) -> None:
-        self.requests_fd, self.replies_fd, self.deadline = requests_fd, replies_fd, deadline
+    def __init__(self, requests_fd: int, replies_fd: int, clock: RunClock) -> None:
+        self.requests_fd, self.replies_fd, self.clock = requests_fd, replies_fd, clock
         self.calls = 0
         self.rejected: str | None = None
         self.timed_out = False
@@ -145,7 +186,7 @@ class Candidate:
         request = [to_plain(list(args)), to_plain(kwargs)]  # the tests' own arguments: plain
         try:
             write_frame(self.requests_fd, request)
-            reply = read_frame(self.replies_fd, self.deadline)
+            reply = read_frame(self.replies_fd, self.clock)
             kind = reply[0] if type(reply) is list and reply else None
             if kind == "return" and len(reply) == 2:
                 return from_plain(reply[1])
@@ -174,36 +215,108 @@ def _exception(name: str, message: str) -> Exception:
 
 
 def judge() -> None:
-    """Run the tests against each run's worker in turn; write each verdict to VERDICT_FD as it is known.
+    """Prepare the tests, then judge every run at once, each in a process of its own (`_judge_one`);
+    write each verdict to VERDICT_FD as it is known.
 
-    Never trusts a worker: what comes from it is only ever decoded into plain values.
+    Why at once: a judge that called the runs one after the other would tell each run, by when its
+    first call came, how long the runs before it were judged, and so whether they passed. Never trusts
+    a worker: what comes from it is only ever decoded into plain values.
     """
     _non_dumpable()
     job = json.loads(sys.stdin.buffer.read())
-    for run in range(job["runs"]):
-        start = time.monotonic()
+    runs = job["runs"]
+    tests = _prepare(job)
+    undecided = mmap.mmap(-1, runs)  # shared with the runs' judges: byte i is 1 until run i is decided
+    undecided.write(b"\1" * runs)
+    verdicts = {}  # read end -> run, one pipe per run's judge
+    for run in range(runs):
+        verdict_r, verdict_w = os.pipe()
+        parent = os.getpid()
+        if os.fork() == 0:
+            for fd in verdicts:
+                os.close(fd)
+            os.close(verdict_r)
+            _judge_one(job, tests, run, undecided, verdict_w, parent)
+        os.close(verdict_w)
+        verdicts[verdict_r] = run
+    for run in range(runs):  # only run i's judge holds run i's ends now: the worker sees EOF when it ends
+        os.close(4 + 2 * run)
+        os.close(5 + 2 * run)
+    received = dict.fromkeys(verdicts, b"")
+    while verdicts:
+        for fd in select.select(list(verdicts), [], [])[0]:
+            chunk = os.read(fd, 65536)
+            if chunk:
+                received[fd] += chunk
+                continue
+            undecided[verdicts.pop(fd)] = 0  # also when its judge died without a verdict
+            os.close(fd)
+            _write_all(VERDICT_FD, received.pop(fd))  # one line, or nothing: that run gets no verdict
+    while True:
+        try:
+            os.wait()
+        except ChildProcessError:
+            break
+
+
+def _prepare(job: dict) -> dict | BaseException:
+    """The namespace every run's tests start from, or why it could not be made (each run fails with it).
+
+    The prompt for its imports and helpers (tests use some, e.g. poly in HumanEval/32), its stub given
+    an empty body (each run's judge then binds the name to its proxy: tests may call the function by
+    name, HumanEval/33), and the test code, which defines `check`. Once, before the runs' judges fork,
+    so that no judge imports again what the prompt imports; each judge gets a copy of its own.
+    """
+    namespace: dict = {"__name__": "__judge__"}
+    try:
+        exec(compile(job["prompt"] + "    pass\n", "<prompt>", "exec"), namespace)  # noqa: S102 - trusted
+        exec(compile(job["test"], "<test>", "exec"), namespace)  # noqa: S102 - the problem's own tests
+    except BaseException as e:
+        return e
+    return namespace
+
+
+def _judge_one(
+    job: dict, tests: dict | BaseException, run: int, undecided: mmap.mmap, out: int, parent: int
+) -> None:
+    """The judge of one run (a forked child of the first judge; never returns): its calls, its clock,
+    its verdict on `out`."""
+    try:
+        import ctypes  # already loaded by _non_dumpable
+
+        # Dies with the first judge (and so with the launcher): a fork does not inherit it. Had the first
+        # judge died before, this one was re-parented and must not go on.
+        if ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0 or os.getppid() != parent:
+            return
+        # A session, and so a scheduler autogroup, of its own, as its run's code has: the runs' judges
+        # would otherwise share the launcher's one group, a fraction of what their K runs get.
+        os.setsid()
+        os.close(VERDICT_FD)
         requests_fd, replies_fd = 4 + 2 * run, 5 + 2 * run
-        verdict = _judge_run(job, Candidate(requests_fd, replies_fd, start + job["timeout_s"]))
+        for other in range(job["runs"]):
+            if other != run:
+                os.close(4 + 2 * other)
+                os.close(5 + 2 * other)
+        start = time.monotonic()
+        clock = RunClock(job["timeout_s"], job["cpus"], undecided)
+        verdict = _judge_run(tests, job["entry_point"], Candidate(requests_fd, replies_fd, clock))
         verdict.update(run=run, duration_s=round(time.monotonic() - start, 4))
-        os.close(requests_fd)  # the worker sees EOF and ends
-        os.close(replies_fd)
-        os.write(VERDICT_FD, json.dumps(verdict).encode() + b"\n")
+        undecided[run] = 0  # the others' clocks speed up at once
+        _write_all(out, json.dumps(verdict).encode() + b"\n")
+    finally:
+        os._exit(0)
 
 
-def _judge_run(job: dict, candidate: Candidate) -> dict:
+def _judge_run(tests: dict | BaseException, entry_point: str, candidate: Candidate) -> dict:
     verdict: dict = {"passed": False, "timed_out": False, "calls": 0, "error": None}
     try:
-        ready = read_frame(candidate.replies_fd, candidate.deadline)
+        ready = read_frame(candidate.replies_fd, candidate.clock)
         if ready != ["ready"]:
             raise RejectedAnswer(f"the completion did not load: {str(ready)[:2000]}")
-        namespace: dict = {"__name__": "__judge__"}
-        # The prompt for its imports and helpers (tests use some, e.g. poly in HumanEval/32); the
-        # stub it ends with gets an empty body and is then replaced by the proxy, as tests may call
-        # the function by name (HumanEval/33). A fresh namespace per run: no state carries over.
-        exec(compile(job["prompt"] + "    pass\n", "<prompt>", "exec"), namespace)  # noqa: S102 - trusted
-        namespace[job["entry_point"]] = candidate
-        exec(compile(job["test"], "<test>", "exec"), namespace)  # noqa: S102 - the problem's own tests
-        namespace["check"](candidate)
+        if isinstance(tests, BaseException):
+            raise tests
+        tests[entry_point] = candidate
+        tests["check"](candidate)
         if candidate.rejected:
             raise RejectedAnswer(candidate.rejected)
         if candidate.calls == 0:

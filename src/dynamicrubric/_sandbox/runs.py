@@ -1,9 +1,9 @@
 """The processes of a launch below the launcher: each run's supervisor and init, the code, the judge.
 
 The launcher forks the judge (`exec_judge`) and one supervisor per run (`supervise`); a supervisor
-makes the run's own namespaces and tmpfs, then an init (PID 1 of the run's PID namespace) forks the
-process that drops its privileges and execs the code (`exec_code`). Standard library only (see
-`__main__.py`).
+makes the run's own namespaces and tmpfs, then an init (PID 1 of the run's PID namespace, and leader
+of a session of the run's own) forks the process that drops its privileges and execs the code
+(`exec_code`). Standard library only (see `__main__.py`).
 """
 
 from __future__ import annotations
@@ -233,6 +233,16 @@ def _init(
     """
     try:
         check(libc_call("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))
+        if config["isolation"]["pidns"]:
+            # A session and process group of the run's own (this process and what it starts), instead of
+            # the launcher's, which holds every run of the batch: the kernel groups processes by them
+            # whatever their namespaces. ioprio_get/setpriority of the process group read and set the
+            # best priority over all of its members, kill(0) signals them all (a plain user's runs share
+            # a uid), and the scheduler's autogroup is the session's, its nice (/proc/self/autogroup)
+            # written by any member and read by all. The supervisor stays in the launcher's session, so
+            # the launcher's group still ends every run (each init dies with its supervisor). Without a
+            # PID namespace the fallback finds a run's strays by the launcher's session: no new one.
+            os.setsid()
         if config["isolation"]["view"]:
             # Refused e.g. in a user namespace under a masked /proc: the code then has no /proc at all.
             with contextlib.suppress(OSError):

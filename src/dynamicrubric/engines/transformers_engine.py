@@ -16,9 +16,8 @@ from dynamicrubric.engines.base import (
     check_pairs,
     free_memory,
     progress_bar,
-    sample_seed,
 )
-from dynamicrubric.models import resolve_model
+from dynamicrubric.models import check_model_folder, resolve_model
 
 if TYPE_CHECKING:
     from dynamicrubric.engines.base import Sampling
@@ -67,6 +66,7 @@ class HFEngine(Engine):
             if dtype == "auto":
                 dtype = "bfloat16" if device.startswith("cuda") else "float32"
             path = resolve_model(model_ref)
+            check_model_folder(model_ref, path)  # a cut-off copy: one line, not transformers' errors
             tokenizer = AutoTokenizer.from_pretrained(path)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
         elif tokenizer is None:
@@ -250,7 +250,7 @@ class HFEngine(Engine):
                 [
                     torch.rand(
                         max_new_tokens,
-                        generator=torch.Generator().manual_seed(sample_seed(sampling.seed, i, j)),
+                        generator=torch.Generator().manual_seed(sampling.seed_of(i, j)),
                     )
                     for i, j in batch
                 ]
@@ -312,9 +312,12 @@ class HFEngine(Engine):
                     f"yes_probability: pair {k} has an empty suffix (it must hold at least one token)"
                 )
         longest = max(len(s) for s in suffix_ids)
+        first_pair: dict[str, int] = {}  # a prefix is named by its first pair's place in `pairs`
+        for k, (p, _) in enumerate(pairs):
+            first_pair.setdefault(p, k)
         prefix_ids = {
-            p: self._fit(ids, longest, f"judge: prompt {i}")
-            for i, (p, ids) in enumerate(zip(prefixes, self._encode(prefixes), strict=True))
+            p: self._fit(ids, longest, f"judge: prompt {first_pair[p]}")
+            for p, ids in zip(prefixes, self._encode(prefixes), strict=True)
         }
         result: list[float] = [0.0] * len(pairs)
         if not share_prefix:

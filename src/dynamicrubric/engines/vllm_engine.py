@@ -16,9 +16,8 @@ from dynamicrubric.engines.base import (
     free_memory,
     logsumexp,
     pair_token_ids,
-    sample_seed,
 )
-from dynamicrubric.models import resolve_model
+from dynamicrubric.models import check_model_folder, resolve_model
 
 if TYPE_CHECKING:
     from dynamicrubric.engines.base import Sampling
@@ -57,6 +56,7 @@ class VLLMEngine(Engine):
         self._vllm = vllm
         self.model_ref = model_ref
         path = resolve_model(model_ref)
+        check_model_folder(model_ref, path)  # a cut-off copy: one line, not transformers' errors
         self.llm = vllm.LLM(
             model=str(path),
             dtype="bfloat16" if dtype == "auto" else dtype,
@@ -94,7 +94,7 @@ class VLLMEngine(Engine):
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 max_tokens=sampling.max_new_tokens,
-                seed=sample_seed(sampling.seed, i, 0),
+                seed=sampling.seed_of(i, 0),
                 structured_outputs=structured,
             )
             for i in range(len(prompts))

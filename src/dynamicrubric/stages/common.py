@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from dynamicrubric.artifacts import read_frames, write_artifact
+from dynamicrubric.config import MAX_SEED
 from dynamicrubric.stages.spec import Data, ModelParam, Param
 
 LABEL = Param("label", str, "which use of the stage in the round (generator, audit-after, ...)", "stage")
 SHARD = Param("shard", int, "this shard's index", 0)
 NUM_SHARDS = Param("num_shards", int, "number of prompt shards", 1)
-SEED = Param("seed", int, "sampling seed (default: the config's seed)", None)
+SEED = Param("seed", int, "sampling seed (default: the config's seed)", None, bounds=(0, MAX_SEED))
 POLICY = ModelParam("policy", "the policy (reference or checkpoint)", default_from="policy")
 GENERATOR = ModelParam("generator", "the generator G (reference or checkpoint)", default_from="generator")
 VERIFIER = ModelParam("verifier", "the frozen verifier V", default_from="verifier")

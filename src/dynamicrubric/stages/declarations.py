@@ -12,7 +12,7 @@ one is absent, a list for sharded ones), outputs as `out_<name>`.
 from __future__ import annotations
 
 from dynamicrubric.stages.data_stages import CANDIDATES, PREPARE_DATA, ROLLOUT
-from dynamicrubric.stages.evaluation_stages import CHECK_SAMPLES, EVALUATE, EVALUATE_SAMPLES
+from dynamicrubric.stages.evaluation_stages import CHECK_SAMPLES, EVALUATE, EVALUATE_SAMPLES, ROLLBACK
 from dynamicrubric.stages.scoring_stages import AGGREGATE, JUDGE, RUBRICS
 from dynamicrubric.stages.spec import Stage
 from dynamicrubric.stages.training_stages import TRAIN_EVALUATOR, TRAIN_POLICY
@@ -31,5 +31,6 @@ STAGES: dict[str, Stage] = {
         EVALUATE_SAMPLES,
         CHECK_SAMPLES,
         EVALUATE,
+        ROLLBACK,
     )
 }

@@ -3,9 +3,14 @@ evaluate), so that no GPU pod runs the policy's code."""
 
 from __future__ import annotations
 
-from dynamicrubric import store
+import json
+import logging
+import time
+
+from dynamicrubric import store, tracking
 from dynamicrubric.artifacts import read_frame, write_artifact
 from dynamicrubric.config import Config
+from dynamicrubric.plots import TRACED_SETS
 from dynamicrubric.stages.common import (
     EVAL_PROMPTS,
     GENERATOR,
@@ -14,6 +19,8 @@ from dynamicrubric.stages.common import (
     VERIFIER,
 )
 from dynamicrubric.stages.spec import Data, ModelParam, Stage
+
+log = logging.getLogger(__name__)
 
 # ---- evaluate (one task on CPU; on GPUs three: evaluate-samples -> check-samples -> evaluate)
 
@@ -49,13 +56,15 @@ EVALUATE_SAMPLES = Stage(
 
 
 def check_samples(cfg: Config, round_idx: int, *, eval_prompts, samples, out_outcomes):
-    """The policy's held-out samples scored by their tasks' checkers (HumanEval in the sandbox), in a
-    CPU task of its own so that no GPU pod runs the policy's code."""
+    """The held-out samples of both policies scored by their tasks' checkers (HumanEval in the sandbox),
+    in a CPU task of its own so that no GPU pod runs the policy's code: the policy's for its accuracy,
+    the previous policy's for the signal guard's gold."""
     from dynamicrubric.evaluate import check_samples as check
     from dynamicrubric.evaluate import split_samples
 
-    policy_samples, _previous = split_samples(read_frame(samples, "rollouts"), cfg)
-    outcomes = check(policy_samples, read_frame(eval_prompts, "prompts"), cfg.evaluate.sandbox_timeout_s)
+    drawn = read_frame(samples, "rollouts")
+    split_samples(drawn, cfg, samples)  # refuses samples of another evaluate.samples
+    outcomes = check(drawn, read_frame(eval_prompts, "prompts"), cfg.evaluate.sandbox_timeout_s)
     write_artifact(out_outcomes, "outcomes", outcomes)
     return {"checked": len(outcomes), "unscored": int(outcomes["score"].isna().sum())}
 
@@ -106,21 +115,26 @@ def evaluate(
     eval_prompts,
     samples,
     outcomes,
+    previous_units,
+    reference_generator,
     out_metrics,
     out_plots,
     out_units,
+    out_guard,
+    out_items,
 ):
     """The evaluate stage; `samples` and `outcomes` (both or neither) are its first two phases done by
     the evaluate-samples and check-samples tasks, which the pipeline runs where evaluate has GPUs."""
     from dynamicrubric.evaluate import run_evaluate, split_samples
 
     if samples and not policy:  # the split pipeline hands no model to this task: the samples say whose
-        current, previous = split_samples(read_frame(samples, "rollouts"), cfg)
+        current, previous = split_samples(read_frame(samples, "rollouts"), cfg, samples)
         policy = str(current["policy"].iloc[0])
         previous_policy = str(previous["policy"].iloc[0]) if len(previous) else ""
-    # Metrics, plots and units are published together once all exist: a failure leaves none (no empty
-    # plots/). An empty out_units writes no units.
-    with store.outputs_as_a_set(out_metrics, out_plots, out_units) as (metrics_out, plots_out, units_out):
+    # Metrics, plots, units and the guard's verdict are published together once all exist: a failure
+    # leaves none (no empty plots/). An empty out_units or out_guard writes none.
+    outputs = (out_metrics, out_plots, out_units, out_guard, out_items)
+    with store.outputs_as_a_set(*outputs) as (metrics_out, plots_out, units_out, guard_out, items_out):
         return run_evaluate(
             eval_prompts,
             metrics_out,
@@ -135,18 +149,34 @@ def evaluate(
             out_units_uri=units_out or None,
             samples_uri=samples or None,
             outcomes_uri=outcomes or None,
+            out_guard_uri=guard_out or None,
+            out_items_uri=items_out or None,
+            previous_units_uri=previous_units or None,
+            reference_generator=reference_generator or None,
         )
 
 
 def _evaluate_lineage(run, run_name: str, round_idx: int, values: dict, result: dict) -> None:
     run.log_metrics_table(values["out_metrics"])
     run.log_dir(values["out_plots"], f"plots/round-{round_idx}")
+    traced = values["out_plots"].rstrip("/") + "/" + TRACED_SETS
+    if store.exists(traced):
+        started = time.perf_counter()
+        ids = tracking.log_traced_sets(run, json.loads(store.read_bytes(traced)), round_idx)
+        run.log_metrics({"traced_sets": len(ids), "tracing_s": time.perf_counter() - started})
     for role, metrics in metrics_by_role(result).items():
         model_id = run.find_model(run_name, f"{role}-round-{round_idx}")
         if model_id:  # link each checkpoint to the numbers about its own role
             run.log_model_metrics(model_id, metrics)
+    guard = values["out_guard"]
+    if guard and store.exists(guard):
+        # The alarm where the MLflow run list shows it: on this run, its round's run and the parent run.
+        record = read_frame(guard, "guard").iloc[0]
+        verdict = "quiet" if record["healthy"] else f"fired ({record['alarms']}): {record['reasons']}"
+        run.set_tags({"guard.alarm": verdict}, above={f"guard.round-{round_idx}": verdict})
     # the task's log line (these are logged above, per step, by log_metrics_table)
-    run.summary.update({k: result[k] for k in ("policy/accuracy", "policy/win_rate") if k in result})
+    shown = ("policy/accuracy", "policy/win_rate", "guard/alarm")
+    run.summary.update({k: result[k] for k in shown if k in result})
 
 
 EVALUATE = Stage(
@@ -159,18 +189,103 @@ EVALUATE = Stage(
         GENERATOR,
         VERIFIER,
         PREVIOUS_POLICY,
+        ModelParam(
+            "reference_generator",
+            "the round-0 generator: the signal guard's gold for prompts without a checker",
+            default_from="generator",
+        ),
     ),
     inputs=(
         EVAL_PROMPTS,
         Data("samples", "rollouts", "the held-out samples, from evaluate-samples", optional=True),
         Data("outcomes", "outcomes", "their checker scores, from check-samples", optional=True),
+        Data(
+            "previous_units",
+            "units",
+            "the previous round's units (the signal guard's agreement change)",
+            optional=True,
+        ),
     ),
     outputs=(
         Data("metrics", "metrics", "metrics artifact to write"),
         Data("plots", "folder", "folder for the PNG plots", kfp_type="Artifact"),
         Data("units", "units", "units artifact to write (per prompt and pair, for intervals)", optional=True),
+        Data("guard", "guard", "the signal guard's verdict on the round (guard artifact)", optional=True),
+        Data(
+            "items",
+            "item_usefulness",
+            "the probe rubric's items: how each splits the responses and agrees with the gold",
+            optional=True,
+        ),
     ),
     lineage=_evaluate_lineage,
     kfp_summary=True,
+    kfp_returns="guard/healthy",
     check=_check_evaluate,
+)
+
+
+# ---- rollback (pipeline.guard.action rollback): the next round's start
+
+
+def rollback(cfg: Config, round_idx: int, *, start_policy, start_generator, guard, out_policy, out_generator):
+    """The next round's policy and generator: round t's when its signal guard found it healthy, else the
+    ones round t started from (so, round after round, the last healthy round's). Written as reference
+    folders (models.write_reference) that name the chosen checkpoints where they are."""
+    from dynamicrubric.models import model_reference, write_reference
+
+    record = read_frame(guard, "guard").iloc[0]
+    if int(record["round"]) != round_idx:
+        raise ValueError(
+            f"rollback: {guard} is the guard of round {int(record['round'])}, not of round {round_idx}"
+        )
+    healthy = bool(record["healthy"])
+    policy = str(record["policy"]) if healthy else model_reference(start_policy)
+    generator = str(record["generator"]) if healthy else model_reference(start_generator)
+    write_reference(out_policy, policy)
+    if out_generator:
+        write_reference(out_generator, generator)
+    if not healthy:
+        log.warning(
+            "round %d: the signal guard's alarm fired (%s): round %d starts from the policy %s and the "
+            "generator %s that round %d started from",
+            round_idx,
+            record["alarms"],
+            round_idx + 1,
+            policy,
+            generator,
+            round_idx,
+        )
+    return {"healthy": float(healthy), "policy": policy, "generator": generator}
+
+
+def _rollback_lineage(run, run_name: str, round_idx: int, values: dict, result: dict) -> None:
+    # The chain's next segment finds its start here (launch.segment_start), as it finds a checkpoint.
+    run.log_model(run_name, f"policy-start-round-{round_idx + 1}", result["policy"])
+    if values["out_generator"]:
+        run.log_model(run_name, f"generator-start-round-{round_idx + 1}", result["generator"])
+    run.log_metrics({"healthy": result["healthy"]})
+
+
+ROLLBACK = Stage(
+    "rollback",
+    "the next round's start: the round's policy and generator if its guard found it healthy, else its own start",
+    rollback,
+    lambda v: "rollback",
+    models=(
+        ModelParam("start_policy", "the policy the round started from", default_from="policy"),
+        ModelParam("start_generator", "the generator the round started from", default_from="generator"),
+    ),
+    inputs=(Data("guard", "guard", "the round's guard artifact (from evaluate)"),),
+    outputs=(
+        Data("policy", "reference", "folder naming the next round's policy", kfp_type="Model"),
+        Data(
+            "generator",
+            "reference",
+            "folder naming the next round's generator",
+            optional=True,
+            kfp_type="Model",
+        ),
+    ),
+    lineage=_rollback_lineage,
 )

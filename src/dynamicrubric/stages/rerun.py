@@ -28,11 +28,27 @@ def _client(tracking_uri: str):
     return mlflow.MlflowClient(tracking_uri=tracking_uri)
 
 
+def check_existing_store(tracking_uri: str) -> None:
+    """A rerun reads a run that exists: refuse a tracking store that is not there before MLflow opens
+    it, since opening one creates it (an empty mlflow.db, and the folders of its path, were left behind
+    by a refusal)."""
+    problem = tracking.unreachable(tracking_uri)
+    sqlite = tracking_uri.startswith("sqlite:///")
+    if not problem and sqlite and not Path(tracking_uri.removeprefix("sqlite:///")).is_file():
+        problem = "no such database file"
+    plain = not tracking.uri_scheme(tracking_uri)  # a plain path: MLflow's file store
+    if not problem and plain and not Path(tracking_uri).is_dir():
+        problem = "no such folder"
+    if problem:
+        raise RerunError(f"--tracking-uri {tracking_uri}: {problem}")
+
+
 def find_stage_run(tracking_uri: str, run_id: str, task: str | None = None):
     """The MLflow run of one stage task: `run_id` itself, or with `task` ("ROUND/NAME", e.g.
     "1/generator-judge-0") the task of that name under the pipeline run `run_id`."""
     from mlflow.exceptions import MlflowException
 
+    check_existing_store(tracking_uri)
     client = _client(tracking_uri)
     try:
         run = client.get_run(run_id)

@@ -5,6 +5,7 @@ the work, then log the task's lineage to MLflow — the same for a KFP task, `dy
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,9 +13,10 @@ from typing import Any
 
 from dynamicrubric import logs, store, tracking
 from dynamicrubric.config import Config, config_from_yaml
-from dynamicrubric.models import model_reference
+from dynamicrubric.models import BUILTIN_MODELS, REFERENCE_FILE, follow_reference, model_reference
+from dynamicrubric.plots import PLOT_NAMES, TRACED_SETS
 from dynamicrubric.stages.declarations import STAGES
-from dynamicrubric.stages.spec import Stage
+from dynamicrubric.stages.spec import Data, Stage
 
 STAGE_PARAM = "stage"  # every stage run logs its stage's name, so a rerun knows what it is rerunning
 
@@ -44,17 +46,21 @@ def execute(
     """Run `stage` on `values` (by name; see declarations.py), logging to MLflow under `run_name`
     (none when it is empty); return the numbers of the task's log line."""
     started = time.perf_counter() if started is None else started
+    if round_idx < 0:
+        raise ValueError(f"stage {stage.command}: --round: expected 0 or more, got {round_idx}")
     values = complete(stage, cfg, values)
     if stage.check:
         stage.check(values)
     outputs = [(d, values[f"out_{d.name}"]) for d in stage.outputs]
+    models = [values[m.name] for m in stage.models if _is_location(values[m.name])]
     preflight(
         *(uri for d, uri in outputs if not d.folder),
-        folders=[uri for d, uri in outputs if d.folder],
-        inputs=[uri for d in stage.inputs for uri in _uris(values[d.name])],
+        folders=[(uri, folder_kind(d)) for d, uri in outputs if d.folder],
+        inputs=[*(uri for d in stage.inputs for uri in _uris(values[d.name])), *models],
     )
     result = stage.run(cfg, round_idx, **values)
-    with tracking.stage_run(cfg, run_name, round_idx, stage.task_name(values), started=started) as run:
+    task = stage.task_name(values)
+    with tracking.stage_run(cfg, run_name, round_idx, task, started=started, command=stage.command) as run:
         if run:
             log_lineage(run, stage, run_name, round_idx, values, result)
     return result
@@ -74,9 +80,16 @@ def complete(stage: Stage, cfg: Config, values: dict) -> dict:
             if p.required:
                 raise ValueError(f"stage {stage.command}: --{p.name.replace('_', '-')} is required")
             done[p.name] = p.default
+        elif p.bounds and not p.bounds[0] <= done[p.name] <= p.bounds[1]:
+            raise ValueError(
+                f"stage {stage.command}: --{p.name.replace('_', '-')}: expected "
+                f"{p.bounds[0]}..{p.bounds[1]}, got {done[p.name]}"
+            )
     for m in stage.models:
         if not done.get(m.name):
             done[m.name] = getattr(cfg.models, m.default_from) if m.default_from else ""
+        # a rollback's folder names the checkpoint it chose: the stage loads (and logs) that one
+        done[m.name] = follow_reference(done[m.name])
     for d in stage.inputs:
         if not done.get(d.name):
             if not d.optional:
@@ -121,34 +134,106 @@ def _uris(value: str | list[str]) -> list[str]:
     return [u for u in ([value] if isinstance(value, str) else value) if u]
 
 
-def preflight(*uris: str, folders: Sequence[str] = (), inputs: Sequence[str] = ()) -> None:
-    """Check every output (`uris` are files, `folders` folders) can be written before inputs are read
-    or a model is loaded: a missing bucket found after the compute throws the compute away. Two outputs
-    at one path, or an output at an input's path, would overwrite one with the other without a word,
-    and a local file output where a folder is (or the reverse) fails only once written, so they are
-    refused too."""
-    seen: dict[str, str] = {}
+def _is_location(ref: str) -> bool:
+    """A model reference that names a place (a folder, file:// or s3://), not a built-in name or hub id."""
+    return bool(ref) and ref not in BUILTIN_MODELS and ("://" in ref or Path(ref).expanduser().exists())
+
+
+def folder_kind(data: Data) -> str:
+    """What a folder output holds: "model" (a checkpoint, whichever role), "reference" (a folder naming
+    one), else its name (plots, steps)."""
+    return data.kind if data.kind in ("model", "reference") else data.name
+
+
+def preflight(*uris: str, folders: Sequence[tuple[str, str]] = (), inputs: Sequence[str] = ()) -> None:
+    """Check every output (`uris` are files, `folders` (uri, kind) pairs) can be written before inputs
+    are read or a model is loaded: a missing bucket found after the compute throws the compute away.
+
+    Nothing the stage did not write may be lost. Two outputs at one path, an output at an input's path,
+    or one path inside another (a folder output holding an input or another output, an output inside
+    an input's folder) would overwrite or remove one with the other without a word; a folder output
+    replaces the whole folder at its path, so only one this project wrote for the same kind of output
+    may be there. A local file output where a folder is (or the reverse) fails only once written. All
+    are refused, comparing paths and URIs in one canonical form (store.canonical)."""
+    files = [u for u in uris if u]
+    folders = [(u, kind) for u, kind in folders if u]
+    known: list[tuple[str, str, bool]] = []  # (canonical, how to name it, whether it is an output)
     for uri in (u for u in inputs if u):
-        seen.setdefault(_identity(uri), f"the input {uri}")
-    for uri in (u for u in (*uris, *folders) if u):
-        other = seen.get(_identity(uri))
-        if other is not None:
-            raise ValueError(f"{uri}: an output cannot be written where {other} is")
-        seen[_identity(uri)] = f"the output {uri}"
-    for uri in (u for u in uris if u and not store.is_s3(u)):
+        known.append((store.canonical(uri), f"the input {uri}", False))
+    for uri, is_folder in [*((u, False) for u in files), *((u, True) for u, _ in folders)]:
+        here = store.canonical(uri)
+        for there, other, other_is_output in known:
+            if here == there:
+                raise ValueError(f"{uri}: an output cannot be written where {other} is")
+            if is_folder and store.within(there, here):
+                raise ValueError(f"{uri}: the folder output would remove {other}, which is inside it")
+            if store.within(here, there):
+                raise ValueError(f"{uri}: an output cannot be written inside {other}")
+            if other_is_output and store.within(there, here):
+                raise ValueError(f"{uri}: an output cannot be written where {other} is inside it")
+        known.append((here, f"the output {uri}", True))
+    for uri in (u for u in files if not store.is_s3(u)):
         if store.local_path(uri).is_dir():
             raise ValueError(f"{uri}: exists and is a folder, not a file")
-    for uri in (u for u in folders if u and not store.is_s3(u)):
-        path = store.local_path(uri)
-        if path.exists() and not path.is_dir():
-            raise ValueError(f"{uri}: exists and is not a folder")
-    for uri in (*uris, *folders):
+    for uri, kind in folders:
+        if not store.is_s3(uri):
+            path = store.local_path(uri)
+            if path.exists() and not path.is_dir():
+                raise ValueError(f"{uri}: exists and is not a folder")
+        _check_replaceable(uri, kind)
+    for uri in (*files, *(u for u, _ in folders)):
         store.check_writable(uri)
 
 
-def _identity(uri: str) -> str:
-    """One spelling per location: a local path resolved (./a and a are one file), an S3 URI as given."""
-    return uri.rstrip("/") if store.is_s3(uri) else str(store.local_path(uri).resolve())
+_STEP_FOLDER = re.compile(r"step-\d+")
+_REPLACE_HINT = "writing the output would remove it: choose another path, or remove it yourself"
+
+
+def _check_replaceable(uri: str, kind: str) -> None:
+    """Refuse a folder output whose path holds anything but an earlier output of the same kind.
+
+    A published folder (a checkpoint, the plots) is this project's when its completion marker is there,
+    and its kind shows in the files the marker lists (a model has config.json, the plots are the plot
+    files). The steps folder is written file by file with no marker, so a retried or resumed training
+    adds to it: it is this project's when it holds only step-NNNNN folders."""
+    if store.is_s3(uri):
+        rels = store.list_files(uri)
+        if not rels:
+            return
+        tops = {r.split("/", 1)[0] for r in rels}
+        nested = all("/" in r for r in rels)
+    else:
+        path = store.local_path(uri)
+        if not path.is_dir() or not any(path.iterdir()):
+            return  # absent or empty: nothing to lose
+        tops = {p.name for p in path.iterdir()}
+        nested = all(p.is_dir() for p in path.iterdir())
+    if kind == "steps":
+        if nested and all(_STEP_FOLDER.fullmatch(t) for t in tops):
+            return
+        raise ValueError(
+            f"{uri}: a folder that is not a training run's steps folder is there; {_REPLACE_HINT}"
+        )
+    manifest = store.read_manifest(uri)
+    if manifest is None:
+        raise ValueError(
+            f"{uri}: a folder that dynrubric did not write is there (no {store.COMPLETE_MARKER} marker); "
+            + _REPLACE_HINT
+        )
+    listed = manifest["files"]
+    names = set(listed) if listed is not None else {r for r in tops if r != store.COMPLETE_MARKER}
+    plots = {*PLOT_NAMES, TRACED_SETS}
+    found = (
+        "model"
+        if "config.json" in names
+        else "reference"
+        if names == {REFERENCE_FILE}
+        else "plots"
+        if names <= plots
+        else "other"
+    )
+    if found != kind:
+        raise ValueError(f"{uri}: holds a dynrubric {found} folder, not a {kind} folder; {_REPLACE_HINT}")
 
 
 def write_kfp_metrics(summary: Any, values: dict) -> None:

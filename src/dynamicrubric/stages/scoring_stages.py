@@ -8,7 +8,7 @@ from pathlib import Path
 
 from dynamicrubric import store
 from dynamicrubric.artifacts import read_frame, write_artifact
-from dynamicrubric.config import Config
+from dynamicrubric.config import MAX_SAMPLES, Config
 from dynamicrubric.stages.common import (
     GENERATOR,
     LABEL,
@@ -38,7 +38,13 @@ RUBRICS = Stage(
     params=(
         LABEL,
         SHARD,
-        Param("samples", int, "rubric samples G per candidate set (default: rubrics.samples)", None),
+        Param(
+            "samples",
+            int,
+            "rubric samples G per candidate set (default: rubrics.samples)",
+            None,
+            bounds=(1, MAX_SAMPLES),
+        ),
         SEED,
     ),
     models=(GENERATOR,),

@@ -24,6 +24,9 @@ class Param:
     type: type  # int or str
     help: str
     default: Any = NO_DEFAULT  # the CLI's default; none: the flag is required
+    # An int's range, checked wherever the value comes from (flag, KFP, rerun): a seed numpy cannot
+    # take, or a count of 0 that would be read as "not given", is refused before any model loads.
+    bounds: tuple[int, int] | None = None
 
     @property
     def required(self) -> bool:
@@ -46,7 +49,7 @@ class Data:
     """An artifact the stage reads or writes: a Parquet file of `kind` (artifacts.py), or a folder."""
 
     name: str
-    kind: str  # an artifact kind, or "model" / "folder" for folders
+    kind: str  # an artifact kind, or "model" / "reference" / "folder" for folders
     help: str
     shards: bool = False  # one per shard (a list)
     optional: bool = False
@@ -54,7 +57,7 @@ class Data:
 
     @property
     def folder(self) -> bool:
-        return self.kind in ("model", "folder")
+        return self.kind in ("model", "reference", "folder")
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+
+from dynamicrubric import tracking
 from dynamicrubric.config import Config
 from dynamicrubric.stages.common import (
     GENERATOR,
@@ -16,13 +19,37 @@ from dynamicrubric.stages.spec import Data, Stage
 def _train(cfg: Config, job) -> dict:
     """On this task's machine, or on num_nodes nodes as a Kubeflow Trainer TrainJob that the task submits
     and follows (training/on_nodes.py)."""
-    if getattr(cfg, job.stage.replace("-", "_")).num_nodes > 1:
-        from dynamicrubric.training.on_nodes import train_on_nodes
+    from dynamicrubric import store
 
-        return train_on_nodes(cfg, job)
-    from dynamicrubric.training.launcher import launch
+    # One writer at a time: a second run into this checkpoint is refused here, before it launches
+    with store.held_for_writing(job.out_uri, job.stage):
+        if getattr(cfg, job.stage.replace("-", "_")).num_nodes > 1:
+            from dynamicrubric.training.on_nodes import train_on_nodes
 
-    return launch(cfg, job)
+            result = train_on_nodes(cfg, job)
+        else:
+            from dynamicrubric.training.launcher import launch
+
+            result = launch(cfg, job)
+    started = time.perf_counter()
+    sets = _traced_steps(cfg, job)
+    return {**result, "traced_sets": sets, "tracing_s": time.perf_counter() - started}
+
+
+def _traced_steps(cfg: Config, job) -> list[dict]:
+    """Judged sets of some training steps (pipeline.traced_steps_every), for the stage's MLflow traces."""
+    from dynamicrubric.config import policy_variant
+    from dynamicrubric.traced_sets import step_sets
+
+    variant = policy_variant(cfg) if job.stage == "train-policy" else "dynamic"
+    return step_sets(
+        job.steps_uri,
+        cfg.pipeline.traced_steps_every,
+        cfg.pipeline.traced_sets,
+        variant=variant,
+        generator=job.generator,
+        verifier=job.verifier,
+    )
 
 
 def _train_lineage(role: str):
@@ -31,6 +58,11 @@ def _train_lineage(role: str):
         # measurements: in MLflow, not in the artifacts (a rerun could not write them again)
         run.log_metric_rows(result.get("timings", []))
         run.log_metrics({k: v for k, v in result.items() if k == "train_wall_s"})
+        if result.get("traced_sets"):  # some steps' judged sets, as the evaluate stage traces its own
+            started = time.perf_counter()
+            ids = tracking.log_traced_sets(run, result["traced_sets"], round_idx)
+            tracing_s = result["tracing_s"] + time.perf_counter() - started  # reading the steps, then logging
+            run.log_metrics({"traced_sets": len(ids), "tracing_s": tracing_s})
         run.log_model(run_name, f"{role}-round-{round_idx}", values[f"out_{role}"], {"base": values[role]})
 
     return lineage

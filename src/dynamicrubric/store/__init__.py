@@ -8,7 +8,8 @@ left it, or not at all.
 The package, by job:
 - `uris`: telling the kinds of URI apart, parsing and joining them; `StoreError`.
 - `s3`: the S3 client, the budgeted retries around every call, multipart upload, listing.
-- `files`: one file at a URI: read, write, exists, delete, list, and the pre-flight `check_writable`.
+- `files`: one file at a URI: read, write, streamed copies to and from local files, exists, delete,
+  list, and the pre-flight `check_writable`.
 - `folders`: folders published whole behind a completion marker, and a stage's outputs as a set.
 
 Callers use the names re-exported here (`store.write_bytes(...)`, `from dynamicrubric.store import
@@ -21,10 +22,13 @@ from __future__ import annotations
 
 from dynamicrubric.store.files import (
     check_writable,
+    copy_file,
     delete,
+    download_file,
     exists,
     list_files,
     read_bytes,
+    upload_file,
     write_bytes,
 )
 from dynamicrubric.store.folders import (
@@ -39,6 +43,7 @@ from dynamicrubric.store.folders import (
     read_manifest,
     upload_dir,
 )
+from dynamicrubric.store.locks import held_for_writing
 from dynamicrubric.store.s3 import (
     DEFAULT_RETRY_BUDGET_S,
     DEFAULT_STALE_UPLOAD_S,
@@ -50,7 +55,7 @@ from dynamicrubric.store.s3 import (
     reset_client,
     retry_budget_s,
 )
-from dynamicrubric.store.uris import StoreError, is_s3, join, local_path, split_s3
+from dynamicrubric.store.uris import StoreError, canonical, is_s3, join, local_path, split_s3, within
 
 __all__ = [
     "COMPLETE_MARKER",
@@ -63,10 +68,14 @@ __all__ = [
     "VERSIONS_DIR",
     "StoreError",
     "abort_stale_uploads",
+    "canonical",
+    "held_for_writing",
     "check_writable",
+    "copy_file",
     "delete",
     "delete_dir",
     "download_dir",
+    "download_file",
     "exists",
     "folder_file",
     "is_complete",
@@ -82,5 +91,7 @@ __all__ = [
     "retry_budget_s",
     "split_s3",
     "upload_dir",
+    "upload_file",
+    "within",
     "write_bytes",
 ]

@@ -4,18 +4,26 @@ under a folder (raw), and `check_writable`, the check made before a stage comput
 A write is seen whole or not at all: locally a temp file in the target folder, then `os.replace`; on
 S3 one PUT, or a multipart upload that only becomes visible once completed (`s3._upload`). Local
 files get the mode a plain `open` would give them, not mkstemp's private 0600.
+
+`read_bytes`/`write_bytes` hold the whole file in memory: for small files (configs, results, tables).
+`download_file`/`upload_file` copy between a URI and a local file in chunks, so a model shard of any
+size needs a few MiB of memory; a download is hashed as it streams and checked before it appears.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import os
+import shutil
+import stat
 import tempfile
 import uuid
 from pathlib import Path
 
 import dynamicrubric.store.s3 as s3
-from dynamicrubric.store.uris import StoreError, is_s3, local_path, split_s3
+from dynamicrubric.store.uris import StoreError, is_s3, local_path, short_name, split_s3
 
 
 def _umask() -> int:
@@ -43,6 +51,7 @@ def read_bytes(uri: str) -> bytes:
         return s3._s3_call(uri, lambda: s3._client().get_object(Bucket=bucket, Key=key)["Body"].read())
     path = local_path(uri)
     try:
+        check_regular_file(uri, path)
         return path.read_bytes()
     except FileNotFoundError:
         raise StoreError(f"{uri}: no such file") from None
@@ -50,6 +59,111 @@ def read_bytes(uri: str) -> bytes:
         raise StoreError(f"{uri}: is a folder, expected a file") from None
     except OSError as e:
         raise StoreError(f"{uri}: cannot read: {e.strerror}") from None
+
+
+def check_regular_file(uri: str, path: Path) -> None:
+    """Refuse, before opening it, a path that is not a regular file: opening a FIFO blocks until a
+    writer comes (forever, for a stage), and a device reads without end."""
+    mode = path.stat().st_mode  # FileNotFoundError and other OSErrors: the caller names them
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, "is a folder")
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+        raise StoreError(f"{uri}: {kind}, not a regular file; give a file")
+
+
+CHUNK = 1 << 20  # what a streamed copy holds in memory at a time
+
+
+@contextlib.contextmanager
+def _local_temp(uri: str, path: Path):
+    """A temp file beside `path`, open for writing, moved to `path` (with a plain file's mode) when the
+    block succeeds and removed when it fails: `path` holds the old file or the whole new one."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{short_name(path.name)}.", suffix=".tmp")
+    except OSError as e:
+        raise StoreError(f"{uri}: cannot write: {e.strerror}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, _file_mode())  # mkstemp makes 0600; artifacts are shared like any other file
+        os.replace(tmp, path)
+    except BaseException as e:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):  # named by the user's path: the temp file is ours, and it is gone
+            raise StoreError(f"{uri}: cannot write: {e.strerror}") from None
+        raise
+
+
+def download_file(uri: str, dest: str | Path, expected: dict | None = None) -> tuple[int, str]:
+    """Copy the file at `uri` to the local file `dest` in chunks, atomically; returns its (size,
+    sha256). With `expected` ({"size", "sha256"}) a copy that differs is refused and `dest` is left as
+    it was. On S3 a transient failure mid-stream (a reset connection, a store restart) starts the file
+    over from its first byte, within the retry budget of `s3._s3_call`."""
+    dest = Path(dest)
+    with _local_temp(str(dest), dest) as f:
+
+        def copy(chunks) -> tuple[int, str]:
+            f.seek(0)
+            f.truncate()  # a retried stream starts clean
+            h = hashlib.sha256()
+            for chunk in chunks:
+                f.write(chunk)
+                h.update(chunk)
+            return f.tell(), h.hexdigest()  # the size on disk: what the check below compares
+
+        if is_s3(uri):
+            bucket, key = split_s3(uri)
+
+            def stream() -> tuple[int, str]:
+                body = s3._client().get_object(Bucket=bucket, Key=key)["Body"]
+                try:
+                    return copy(body.iter_chunks(CHUNK))  # botocore checks the length at the end
+                finally:
+                    body.close()
+
+            size, sha = s3._s3_call(uri, stream)
+        else:
+            try:
+                with open(local_path(uri), "rb") as src:
+                    size, sha = copy(iter(lambda: src.read(CHUNK), b""))
+            except FileNotFoundError:
+                raise StoreError(f"{uri}: no such file") from None
+            except IsADirectoryError:
+                raise StoreError(f"{uri}: is a folder, expected a file") from None
+        if expected is not None and (size, sha) != (expected["size"], expected["sha256"]):
+            raise StoreError(
+                f"{uri}: does not match its checksum ({size} bytes, sha256 {sha[:12]}…; expected "
+                f"{expected['size']} bytes, {expected['sha256'][:12]}…)"
+            )
+    return size, sha
+
+
+def upload_file(path: str | Path, uri: str) -> None:
+    """Copy the local file `path` to `uri` atomically without holding it in memory (on S3 in parts
+    above MULTIPART_THRESHOLD, each part retried on its own)."""
+    path = Path(path)
+    if not path.is_file():
+        raise StoreError(f"{path}: no such file")
+    if is_s3(uri):
+        bucket, key = split_s3(uri)
+        s3._upload(uri, bucket, key, path)
+        return
+    target = local_path(uri)
+    with _local_temp(uri, target) as f, open(path, "rb") as src:
+        shutil.copyfileobj(src, f, CHUNK)
+
+
+def copy_file(src_uri: str, dst_uri: str) -> None:
+    """Copy one file between URIs (either kind) through a local temp file, in chunks, never whole in
+    memory; the destination is written atomically."""
+    with tempfile.TemporaryDirectory(prefix="dynrubric-copy-") as tmp:
+        local = Path(tmp) / "file"
+        download_file(src_uri, local)
+        upload_file(local, dst_uri)
 
 
 def _read_if_exists(uri: str) -> bytes | None:
@@ -67,24 +181,8 @@ def write_bytes(uri: str, data: bytes) -> None:
         bucket, key = split_s3(uri)
         s3._upload(uri, bucket, key, data)
         return
-    path = local_path(uri)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as e:
-        raise StoreError(f"{uri}: cannot write: {e.strerror}") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, _file_mode())  # mkstemp makes 0600; artifacts are shared like any other file
-        os.replace(tmp, path)
-    except BaseException as e:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, OSError):  # named by the user's path: the temp file is ours, and it is gone
-            raise StoreError(f"{uri}: cannot write: {e.strerror}") from None
-        raise
+    with _local_temp(uri, local_path(uri)) as f:
+        f.write(data)
 
 
 def exists(uri: str) -> bool:

@@ -1,14 +1,27 @@
 """Folders (model checkpoints, plots) published whole, so a reader sees exactly one writer's complete
 folder, or none; and `outputs_as_a_set`, which publishes a stage's outputs all together or not at all.
 
-- On S3 each writer uploads its files under its own sub-prefix `<folder>/_versions/<token>/`, then
-  writes the `_COMPLETE` marker: a JSON manifest of the token and of every file with its size and
-  SHA-256. Readers read only the files the marker lists, so two concurrent writers never mix (the last
-  marker wins, and it names one writer's complete set) and a rewrite with fewer files never shows the
-  old ones. The writer then deletes the version the marker named before its own.
-- Locally a writer fills a temp folder beside the destination (marker included) and swaps it in with
-  one atomic rename (`renameat2(RENAME_EXCHANGE)` where the filesystem has it). A reader that opens
-  its files by path reads a pinned version (`pinned_folder`).
+Every folder carries a `_COMPLETE` marker, written last: a JSON manifest of the writer's token, the
+folder's `layout` (where its files are) and every file with its size and SHA-256. Readers read only
+the files the marker lists; `download_dir` streams each to disk (never whole in memory) and checks it
+against its checksum before it appears.
+
+- On S3 each writer uploads its files under its own sub-prefix `<folder>/_versions/<token>/` (layout
+  "versioned"), then writes the marker. Two concurrent writers never mix (the last marker wins, and it
+  names one writer's complete set) and a rewrite with fewer files never shows the old ones. The writer
+  then deletes the version the marker named before its own.
+- Locally a writer fills a temp folder beside the destination (marker included, layout "flat": the
+  files lie beside the marker) and swaps it in with one atomic rename (`renameat2(RENAME_EXCHANGE)`
+  where the filesystem has it). A reader that opens its files by path reads a pinned version
+  (`pinned_folder`). Local folders are read as flat (a downloaded copy is written flat too).
+- A local folder copied to S3 file by file under the same relative keys, as KFP's launcher uploads a
+  task's output artifact, keeps its flat marker, so a reader of that `s3://` URI finds its files
+  beside the marker (the launcher is that copy's one writer; a later `upload_dir` to the URI writes a
+  version and deletes the flat files).
+
+Older markers are still read: an empty one (every file under the folder is its content), and the
+manifests without a layout (format 1): flat locally; on S3 versioned where `_versions/<token>/` holds
+files, else flat (a local folder a launcher copied).
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import glob
 import hashlib
 import json
 import logging
@@ -24,7 +38,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import dynamicrubric.store.s3 as s3
@@ -33,18 +47,20 @@ from dynamicrubric.store.files import (
     _file_mode,
     _read_if_exists,
     delete,
+    download_file,
     exists,
     list_files,
-    read_bytes,
+    upload_file,
     write_bytes,
 )
-from dynamicrubric.store.uris import StoreError, is_s3, join, local_path, split_s3
+from dynamicrubric.store.uris import StoreError, is_s3, join, local_path, short_name, split_s3
 
 # Named after the package, as the logger was before the store became one, so log lines read the same.
 log = logging.getLogger(__package__)
 
 COMPLETE_MARKER = "_COMPLETE"
 VERSIONS_DIR = "_versions"  # on S3, each writer's files of a folder live under _versions/<token>/
+FLAT, VERSIONED = "flat", "versioned"  # a manifest's layouts: files beside the marker, or in its version
 
 
 def _new_token() -> str:
@@ -60,34 +76,59 @@ def _digest(path: Path) -> tuple[int, str]:
     return path.stat().st_size, h.hexdigest()
 
 
-def _manifest(token: str, files: dict[str, Path]) -> bytes:
+def _manifest_bytes(token: str, layout: str, entries: dict[str, dict]) -> bytes:
+    doc = {"format": 2, "token": token, "layout": layout, "files": entries}
+    return json.dumps(doc, indent=1, sort_keys=True).encode()
+
+
+def _manifest(token: str, files: dict[str, Path], layout: str) -> bytes:
     entries = {}
     for rel, p in files.items():
         size, sha = _digest(p)
         entries[rel] = {"size": size, "sha256": sha}
-    return json.dumps({"format": 1, "token": token, "files": entries}, indent=1, sort_keys=True).encode()
+    return _manifest_bytes(token, layout, entries)
 
 
 def read_manifest(uri: str) -> dict | None:
-    """The completion marker of a folder: {"token", "files": {rel: {size, sha256}}}, or None when the
-    folder is absent or incomplete. An empty marker (written before manifests existed) gives
-    {"token": None, "files": None}: every file under the folder is its content."""
-    data = _read_if_exists(join(uri, COMPLETE_MARKER))
+    """The completion marker of a folder: {"token", "layout", "files": {rel: {size, sha256}}}, or None
+    when the folder is absent or incomplete. `layout` is "flat" (the files lie beside the marker) or
+    "versioned" (under `_versions/<token>/`). An empty marker (written before manifests existed) gives
+    {"token": None, "layout": "flat", "files": None}: every file under the folder is its content."""
+    marker = join(uri, COMPLETE_MARKER)
+    data = _read_if_exists(marker)
     if data is None:
         return None
     if not data.strip():
-        return {"token": None, "files": None}
+        return {"token": None, "layout": FLAT, "files": None}
     try:
         manifest = json.loads(data)
         if not isinstance(manifest.get("files"), dict):
             raise ValueError("no file list")
+        if not isinstance(manifest.get("token"), str) or not manifest["token"]:
+            raise ValueError("no writer token")
     except (ValueError, AttributeError) as e:
-        raise StoreError(f"{join(uri, COMPLETE_MARKER)}: unreadable completion marker ({e})") from None
+        raise StoreError(f"{marker}: unreadable completion marker ({e})") from None
+    if "layout" not in manifest:  # format 1: the layout follows from where it was written, or copied
+        manifest["layout"] = _format1_layout(uri, manifest["token"])
+    if manifest["layout"] not in (FLAT, VERSIONED):
+        raise StoreError(f"{marker}: unreadable completion marker (unknown layout {manifest['layout']!r})")
     return manifest
 
 
+def _format1_layout(uri: str, token: str) -> str:
+    """Where a format-1 manifest's files are. Local writers wrote them flat, S3 writers under their
+    version; a local folder that a launcher copied to S3 key by key is flat there too, and has no
+    `_versions/<token>/`."""
+    if not is_s3(uri):
+        return FLAT
+    bucket, prefix = split_s3(uri.rstrip("/") + "/")
+    version = f"{prefix}{VERSIONS_DIR}/{token}/"
+    resp = s3._s3_call(uri, s3._client().list_objects_v2, Bucket=bucket, Prefix=version, MaxKeys=1)
+    return VERSIONED if resp.get("KeyCount", len(resp.get("Contents", []))) else FLAT
+
+
 def _file_key(prefix: str, manifest: dict, rel: str) -> str:
-    if manifest["token"] is None:
+    if manifest["layout"] == FLAT:
         return prefix + rel
     return f"{prefix}{VERSIONS_DIR}/{manifest['token']}/{rel}"
 
@@ -105,7 +146,7 @@ def folder_file(uri: str, rel: str) -> str:
     if manifest["files"] is not None and rel not in manifest["files"]:
         raise StoreError(f"{uri}: the folder has no file {rel!r}")
     if not is_s3(uri):
-        return join(uri, rel)
+        return join(uri, rel)  # locally only flat folders are written (a downloaded copy is flat too)
     bucket, prefix = split_s3(uri.rstrip("/") + "/")
     return f"s3://{bucket}/{_file_key(prefix, manifest, rel)}"
 
@@ -129,11 +170,11 @@ def upload_dir(local_dir: str | Path, uri: str) -> None:
         return
     dest = local_path(uri)
     if dest.exists() and dest.resolve() == local_dir.resolve():
-        write_bytes(str(dest / COMPLETE_MARKER), _manifest(token, files))
+        write_bytes(str(dest / COMPLETE_MARKER), _manifest(token, files, FLAT))
         return
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp"))
+        tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{short_name(dest.name)}.", suffix=".tmp"))
     except OSError as e:
         raise StoreError(f"{uri}: cannot write: {e.strerror}") from None
     try:
@@ -142,7 +183,7 @@ def upload_dir(local_dir: str | Path, uri: str) -> None:
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(p, target)
             os.chmod(target, _file_mode())
-        (tmp / COMPLETE_MARKER).write_bytes(_manifest(token, files))
+        (tmp / COMPLETE_MARKER).write_bytes(_manifest(token, files, FLAT))
         os.chmod(tmp / COMPLETE_MARKER, _file_mode())
         for d in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
             os.chmod(d, _dir_mode())  # mkdtemp makes 0700
@@ -158,7 +199,7 @@ def _upload_dir_s3(files: dict[str, Path], uri: str, token: str) -> None:
         for rel, p in files.items():
             s3._upload(uri, bucket, mine + rel, p)
         previous = read_manifest(uri)
-        write_bytes(join(uri, COMPLETE_MARKER), _manifest(token, files))
+        write_bytes(join(uri, COMPLETE_MARKER), _manifest(token, files, VERSIONED))
     except BaseException:
         with contextlib.suppress(Exception):
             s3._delete_keys(uri, bucket, s3._list_keys(uri, bucket, mine))
@@ -168,12 +209,14 @@ def _upload_dir_s3(files: dict[str, Path], uri: str, token: str) -> None:
     # A version no marker ever named (a writer that lost the race) stays until a later cleanup.
     with contextlib.suppress(StoreError):
         if previous is not None and previous["token"] != token:
-            if previous["token"] is None:  # the old flat layout: everything but the versions and marker
+            if previous["files"] is None:  # an empty marker: everything but the versions and marker
                 old = [
                     k
                     for k in s3._list_keys(uri, bucket, prefix)
                     if not k.startswith(f"{prefix}{VERSIONS_DIR}/") and k != prefix + COMPLETE_MARKER
                 ]
+            elif previous["layout"] == FLAT:  # a local folder copied here flat: exactly its files
+                old = [prefix + rel for rel in previous["files"]]
             else:
                 old = s3._list_keys(uri, bucket, f"{prefix}{VERSIONS_DIR}/{previous['token']}/")
             s3._delete_keys(uri, bucket, old)
@@ -219,7 +262,7 @@ def _swap_in(tmp: Path, dest: Path, uri: str) -> None:
         if swapped is None:
             # No atomic exchange here: move the old folder aside, then rename ours in. Readers may see
             # no folder for that moment (absent, never mixed).
-            aside = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:12]}.old"
+            aside = dest.parent / f".{short_name(dest.name)}.{uuid.uuid4().hex[:12]}.old"
             with contextlib.suppress(FileNotFoundError):
                 os.rename(dest, aside)
                 shutil.rmtree(aside, ignore_errors=True)
@@ -237,10 +280,10 @@ def pinned_folder(folder: Path) -> Path:
         manifest = read_manifest(str(folder))
         if manifest is None or manifest["token"] is None or folder.name.endswith(f".v-{manifest['token']}"):
             return folder  # not ours, or already a pinned version
-        pinned = folder.parent / f".{folder.name}.v-{manifest['token']}"
+        pinned = folder.parent / f".{short_name(folder.name)}.v-{manifest['token']}"
         if (pinned / COMPLETE_MARKER).is_file():
             return pinned
-        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
+        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{short_name(folder.name)}.", suffix=".tmp"))
         try:
             for rel in [*manifest["files"], COMPLETE_MARKER]:
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -261,9 +304,11 @@ def pinned_folder(folder: Path) -> Path:
     raise StoreError(f"{folder}: kept being rewritten while it was read")
 
 
-def download_dir(uri: str, local_dir: str | Path) -> Path:
-    """Fetch a complete folder (exactly the files its marker lists); refuses one without its marker.
-    A local folder is returned where it is."""
+def download_dir(uri: str, local_dir: str | Path, only: Callable[[str], bool] | None = None) -> Path:
+    """Fetch a complete folder (exactly the files its marker lists, each checked against its checksum
+    and streamed to disk: no file is ever whole in memory); refuses one without its marker. With
+    `only`, just the files whose relative path it accepts (the local copy's marker lists those). A
+    local folder is returned where it is."""
     local_dir = Path(local_dir)
     if not is_s3(uri):
         if read_manifest(uri) is None:
@@ -274,7 +319,7 @@ def download_dir(uri: str, local_dir: str | Path) -> Path:
         manifest = read_manifest(uri)
         if manifest is None:
             raise StoreError(f"{uri}: folder is absent or incomplete (no {COMPLETE_MARKER} marker)")
-        if manifest["files"] is None:  # old flat layout
+        if manifest["files"] is None:  # an empty marker: every file under the folder
             rels = [
                 r for r in list_files(uri) if r != COMPLETE_MARKER and not r.startswith(f"{VERSIONS_DIR}/")
             ]
@@ -283,26 +328,40 @@ def download_dir(uri: str, local_dir: str | Path) -> Path:
         written: list[Path] = []
         try:
             for rel in rels:
-                data = read_bytes(f"s3://{bucket}/{_file_key(prefix, manifest, rel)}")
+                if only is not None and not only(rel):
+                    continue
                 expected = (manifest["files"] or {}).get(rel)
-                if expected and (
-                    len(data) != expected["size"] or hashlib.sha256(data).hexdigest() != expected["sha256"]
-                ):
-                    raise StoreError(f"{uri}: {rel} does not match its checksum in {COMPLETE_MARKER}")
-                write_bytes(str(local_dir / rel), data)
+                source = f"s3://{bucket}/{_file_key(prefix, manifest, rel)}"
+                try:
+                    download_file(source, local_dir / rel, expected)
+                except StoreError as e:
+                    if "does not match its checksum" in str(e):
+                        raise StoreError(
+                            f"{uri}: {rel} does not match its checksum in {COMPLETE_MARKER}"
+                        ) from e
+                    raise
                 written.append(local_dir / rel)
         except StoreError as e:
-            # A newer writer replaced the folder and deleted the version we were reading: start over.
-            if (
-                str(e).endswith("no such object")
-                and (read_manifest(uri) or {}).get("token") != manifest["token"]
-            ):
+            # A newer writer replaced the folder and deleted (or, in a flat copy, overwrote) the version
+            # we were reading: start over.
+            if (str(e).endswith("no such object") or "does not match its checksum" in str(e)) and (
+                read_manifest(uri) or {}
+            ).get("token") != manifest["token"]:
                 log.info("%s: replaced while downloading; fetching the new version", uri)
                 for p in written:  # none of the replaced version may stay beside the new one
                     p.unlink(missing_ok=True)
                 continue
             raise
-        (local_dir / COMPLETE_MARKER).write_bytes(json.dumps(manifest).encode())
+        # The local copy is flat whatever layout it came from, and lists what it holds (with `only`,
+        # a part); an empty marker stays empty.
+        if manifest["files"] is None:
+            marker = b""
+        else:
+            fetched = {p.relative_to(local_dir).as_posix() for p in written}
+            entries = {rel: e for rel, e in manifest["files"].items() if rel in fetched}
+            marker = _manifest_bytes(manifest["token"], FLAT, entries)
+        local_dir.mkdir(parents=True, exist_ok=True)
+        (local_dir / COMPLETE_MARKER).write_bytes(marker)
         return local_dir
     raise StoreError(f"{uri}: the folder kept being replaced while it was downloaded")
 
@@ -320,7 +379,9 @@ def delete_dir(uri: str) -> None:
     else:
         path = local_path(uri)
         shutil.rmtree(path, ignore_errors=True)
-        for pinned in path.parent.glob(f".{path.name}.v-*"):  # versions readers pinned (pinned_folder)
+        for pinned in path.parent.glob(
+            f".{glob.escape(short_name(path.name))}.v-*"
+        ):  # versions readers pinned (pinned_folder)
             shutil.rmtree(pinned, ignore_errors=True)
 
 
@@ -346,7 +407,7 @@ def outputs_as_a_set(*uris: str) -> Iterator[list[str]]:
                 if p.is_dir():
                     upload_dir(p, uri)
                 else:
-                    write_bytes(uri, p.read_bytes())
+                    upload_file(p, uri)
                 published.append((uri, p.is_dir()))
         except BaseException:
             for uri, is_dir in published:

@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import random
+import zlib
 from functools import cache
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Literal
@@ -79,6 +80,11 @@ def load_prompts(
         raise TaskError("no prompt sources given")
     frames = [_load_source(source, num_prompts, split, seed) for source in sources]
     df = pd.concat(frames, ignore_index=True)
+    if df.empty:  # named here, by the sources: written out it was an empty artifact at a temp path
+        which = sources[0] if len(sources) == 1 else f"the sources {sources}"
+        raise TaskError(
+            f"{which}: no {split} prompts (a row's 'split' column puts it in one, else a hash of its prompt)"
+        )
     dup = df["prompt_id"][df["prompt_id"].duplicated()]
     if len(dup):
         raise TaskError(f"prompt_id {dup.iloc[0]!r} occurs twice; is a source listed twice in {sources}?")
@@ -277,13 +283,32 @@ def _stem(uri: str) -> str:
     return name or "file"
 
 
+# A source is read whole into memory: its inflated size is bounded, since 11 MB of gzip inflated to
+# 11 GB and ended in a MemoryError. Far above any prompt file a run could use.
+MAX_SOURCE_BYTES = 1 << 30
+
+
+def _gunzip(uri: str, data: bytes) -> bytes:
+    """`data` inflated as it streams, refused as soon as it passes MAX_SOURCE_BYTES."""
+    try:
+        with gzip.GzipFile(fileobj=io.BytesIO(data)) as f:
+            out = f.read(MAX_SOURCE_BYTES + 1)
+    except (OSError, EOFError, zlib.error) as e:
+        raise TaskError(f"{uri}: not a readable gzip file ({e})") from None
+    if len(out) > MAX_SOURCE_BYTES:
+        raise TaskError(
+            f"{uri}: inflates to more than {MAX_SOURCE_BYTES >> 20} MiB, the most a prompt source may hold"
+        )
+    return out
+
+
 def read_records(uri: str) -> list[dict]:
     """Rows of a JSONL (optionally gzipped), JSON array or Parquet file at a path or URI."""
     data = store.read_bytes(uri)
     if not data.strip():
         raise TaskError(f"{uri}: file is empty")
     if data[:2] == b"\x1f\x8b":
-        data = gzip.decompress(data)
+        data = _gunzip(uri, data)
     if data[:4] == b"PAR1":
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -315,6 +340,8 @@ def _json_records(uri: str, text: str) -> list:
             return json.loads(text)
         except json.JSONDecodeError as e:
             raise TaskError(f"{uri}: not valid JSON ({e})") from e
+        except RecursionError:  # json's decoder recurses per level: 100,000 levels overflow the stack
+            raise TaskError(f"{uri}: a JSON value nested too deep to read") from None
     records = []
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -325,4 +352,6 @@ def _json_records(uri: str, text: str) -> list:
             raise TaskError(
                 f"{uri}: line {lineno} is not valid JSON ({e.msg}); expected JSONL or Parquet"
             ) from e
+        except RecursionError:
+            raise TaskError(f"{uri}: line {lineno} holds a JSON value nested too deep to read") from None
     return records

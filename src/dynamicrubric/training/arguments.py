@@ -53,6 +53,11 @@ def grpo_arguments(cfg: Config, trainee: Trainee, output_dir: str, accumulation:
         reward_weights=weights,
         max_grad_norm=tcfg.max_grad_norm,
         seed=tcfg.seed,
+        ddp_timeout=tcfg.process_group_timeout_s,  # grpo.py sets the group's own; this says the same
+        # Read only for TRL's reference model (the policy is passed built): no "auto" device map, which
+        # under FSDP spreads each rank's copy over every visible GPU, outside the memory plan. FSDP (or
+        # accelerate's prepare on one device) places it.
+        model_init_kwargs={"device_map": None},
         bf16=bf16,
         gradient_checkpointing=tcfg.gradient_checkpointing,
         use_cpu=not cuda,

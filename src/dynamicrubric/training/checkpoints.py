@@ -5,10 +5,11 @@ folder; a callback uploads it to `<out>.work/checkpoint-NNNNN` in the store (`_C
 pod path /s3/b/k that is s3://b/k.work, since the pod's mount is uploaded only when the task succeeds)
 with the starting model and a digest of the train config beside it, so a retried pod on another node
 resumes from the newest complete one and ends with the same weights as an uninterrupted run; a
-checkpoint of another model or config, or one with no steps left to train, is refused. The result is a
+checkpoint of another model or config, or one past `max_steps`, is refused; one at `max_steps` (the task
+was lost in the export) is resumed with no step left, and exported. The result is a
 Hugging Face folder (LoRA merged, plus a summary JSON) written to `out_uri` with `store.upload_dir`:
 every rank takes part in gathering the weights (a collective under FSDP), rank 0 writes them. A stage
-whose output is complete does nothing.
+whose output is complete does nothing, once checked that it holds the same work (`already_done`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import torch
 
 from dynamicrubric import store
 from dynamicrubric.artifacts import write_artifact
-from dynamicrubric.config import TrainConfig
+from dynamicrubric.config import Config, TrainConfig
+from dynamicrubric.training import cpu_waits
+from dynamicrubric.training.data import TrainingJob, trainee
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +76,8 @@ def checkpoint_origin(model_ref: str, tcfg: TrainConfig) -> dict[str, str]:
 
     config = tcfg.model_dump(mode="json")
     config.pop("max_steps")
+    config.pop("process_group_timeout_s")  # how long to wait, not what is trained
+    config.pop("wait_timeout_s")
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
     return {"model_ref": model_reference(model_ref), "config_digest": digest}
 
@@ -112,11 +117,13 @@ def resume_point(stage: str, work_uri: str, origin: dict, steps: int) -> str | N
             f"with train config {origin['config_digest']}: delete {work_uri} to start over"
         )
     step = int(name.removeprefix("checkpoint-"))
-    if step >= steps:
+    if step > steps:
         raise ValueError(
             f"{stage}: the trainer checkpoint {uri} is at step {step} and the config asks for max_steps={steps}: "
-            f"resuming would train no more steps; raise max_steps, or delete {work_uri} to start over"
+            f"it is trained past the config; raise max_steps, or delete {work_uri} to start over"
         )
+    # At step == max_steps (transformers always saves the last step) the run was lost after training,
+    # in the export: the trainer resumes, trains no step, and the export runs from this checkpoint.
     return uri
 
 
@@ -152,12 +159,6 @@ def fetch_checkpoint(uri: str, scratch: Path) -> str:
 def checkpoint_callback(work_uri: str, origin: dict):
     from transformers import TrainerCallback
 
-    def barrier() -> None:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
-
     class UploadCheckpoints(TrainerCallback):
         """Copy each trainer checkpoint to the store (complete or absent), with the run's origin
         beside it for the resume check, then drop older ones. Every process calls on_save: once all
@@ -168,24 +169,28 @@ def checkpoint_callback(work_uri: str, origin: dict):
             local = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             name = f"checkpoint-{state.global_step:05d}"
             uri = store.join(work_uri, name)
-            barrier()  # every process's files are written (its RNG state is saved after the model)
+            cpu_waits.barrier()  # every process's files are written (its RNG state comes after the model)
             node = this_node()
             if state.is_local_process_zero and node > 0:
                 store.upload_dir(local, node_part(uri, node))
                 shutil.rmtree(local, ignore_errors=True)
-            barrier()  # every other node's part is stored
+            cpu_waits.barrier()  # every other node's part is stored
+            if state.is_world_process_zero:
+                (local / RESUME_INFO).write_text(json.dumps(origin, indent=1))
+                store.upload_dir(local, uri)
+                for old in stored_checkpoints(work_uri):
+                    if old != name:
+                        store.delete_dir(store.join(work_uri, old))
+                nodes = store.join(work_uri, "nodes")  # the other nodes' parts: node-K/checkpoint-NNNNN
+                files = store.list_files(nodes)
+                for part in {"/".join(f.split("/")[:2]) for f in files if f.count("/") >= 2}:
+                    if not part.endswith("/" + name):
+                        store.delete_dir(store.join(nodes, part))
+                shutil.rmtree(local, ignore_errors=True)
+            # The checkpoint is stored: no rank goes on into the next step's collectives before that.
+            cpu_waits.barrier()
             if not state.is_world_process_zero:
                 return
-            (local / RESUME_INFO).write_text(json.dumps(origin, indent=1))
-            store.upload_dir(local, uri)
-            for old in stored_checkpoints(work_uri):
-                if old != name:
-                    store.delete_dir(store.join(work_uri, old))
-            nodes = store.join(work_uri, "nodes")  # the other nodes' parts: node-K/checkpoint-NNNNN
-            for part in {"/".join(f.split("/")[:2]) for f in store.list_files(nodes) if f.count("/") >= 2}:
-                if not part.endswith("/" + name):
-                    store.delete_dir(store.join(nodes, part))
-            shutil.rmtree(local, ignore_errors=True)
             if os.environ.get(STALL_ENV) == str(state.global_step):
                 print(f"stalled after step {state.global_step}", flush=True)
                 while True:
@@ -194,15 +199,80 @@ def checkpoint_callback(work_uri: str, origin: dict):
     return UploadCheckpoints()
 
 
-def already_done(out_uri: str, metrics_uri: str | None) -> dict:
-    log.info("%s: checkpoint already complete; nothing to do", out_uri)
+def finished_work(cfg: Config, job: TrainingJob) -> dict:
+    """What a finished checkpoint records about the work that made it, compared before it is reused:
+    the stage and round, the trained model and the reward's models (as model_reference spells them), a
+    digest of the config (all but `pipeline` and the models' references and URLs, which say where a
+    run is orchestrated and served, not what it computes; the trainer's section with its max_steps
+    included) and the input artifacts (their canonical URIs)."""
+    from dynamicrubric.models import model_reference
+    from dynamicrubric.tracking import artifact_uri
+
+    config = cfg.model_dump(mode="json")
+    config.pop("pipeline")
+    # The models are the job's (recorded below); a reward model's URL is where it is served (a training
+    # process gets its own servers' URLs), not what it computes.
+    for key in ("policy", "generator", "verifier", "generator_url", "verifier_url"):
+        config["models"].pop(key)
+    inputs = [job.prompts_uri, *job.candidates, *job.anchors]
+    return {
+        "stage": job.stage,
+        "round": job.round_idx,
+        "model_ref": model_reference(job.model_ref),
+        "models": {
+            role: model_reference(ref) for role in ("generator", "verifier") if (ref := getattr(job, role))
+        },
+        "config_digest": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16],
+        "inputs": [store.canonical(artifact_uri(u)) for u in inputs if u],
+    }
+
+
+def _other_work(summary: dict, work: dict, tcfg: TrainConfig) -> list[str]:
+    """How the work recorded in a finished checkpoint's summary differs from `work` (none: the same).
+    A summary from before `work` was recorded is compared on what it has: stage, round, model, train
+    config."""
+    from dynamicrubric.models import model_reference
+
+    recorded = summary.get("work")
+    if recorded is None:
+        recorded = {k: summary[k] for k in ("stage", "round") if k in summary}
+        if "model_ref" in summary:
+            recorded["model_ref"] = model_reference(summary["model_ref"])
+        if "config" in summary and summary["config"] != tcfg.model_dump(mode="json"):
+            recorded["config_digest"] = "(an older one)"
+    differ = [k for k in work if k in recorded and recorded[k] != work[k]]
+    what = {
+        "stage": lambda a, b: f"written by {a}, not {b}",
+        "round": lambda a, b: f"round {a}, not {b}",
+        "model_ref": lambda a, b: f"trained from {a!r}, not {b!r}",
+        "models": lambda a, b: f"rewarded by {a}, not {b}",
+        "config_digest": lambda a, b: f"config {a}, not {b}",
+        "inputs": lambda a, b: "other inputs",
+    }
+    return [what[k](recorded[k], work[k]) for k in differ]
+
+
+def already_done(cfg: Config, job: TrainingJob) -> dict:
+    """The recorded result of a finished checkpoint at the job's output, once checked that it is the
+    same work as the job's: another model, config or input set would be passed off as this run's."""
+    out_uri = job.out_uri
     try:  # through the folder's manifest: on S3 its files live under the writer's version
         summary_uri = store.folder_file(out_uri, SUMMARY_FILE)
-    except store.StoreError:  # a checkpoint written by something else: nothing recorded
-        return {}
+    except store.StoreError:
+        raise ValueError(
+            f"{job.stage}: {out_uri} holds a complete model folder that no training run wrote (no "
+            f"{SUMMARY_FILE}); it is not taken as this run's result: write to another path, or delete it"
+        ) from None
     summary = json.loads(store.read_bytes(summary_uri))
-    if metrics_uri and not store.exists(metrics_uri):
-        write_artifact(metrics_uri, "metrics", summary["metrics_rows"])
+    other = _other_work(summary, finished_work(cfg, job), trainee(cfg, job.stage).tcfg)
+    if other:
+        raise ValueError(
+            f"{job.stage}: {out_uri} holds a finished checkpoint of other work ({'; '.join(other)}); it is "
+            "not reused: write to another path, or delete it to train again"
+        )
+    log.info("%s: checkpoint already complete; nothing to do", out_uri)
+    if job.metrics_uri and not store.exists(job.metrics_uri):
+        write_artifact(job.metrics_uri, "metrics", summary["metrics_rows"])
     return {**summary["final"], "timings": []}  # nothing was measured this time
 
 
@@ -232,8 +302,8 @@ def gather_weights(trainer) -> dict[str, torch.Tensor]:
     rank 0 alone waits forever for ranks that already wait at the end-of-training barrier.
 
     accelerate runs FSDP only on accelerators (its FSDP type is set for MULTI_GPU/XPU/NPU/..., never
-    MULTI_CPU), so the CPU tests cannot shard; they check instead that this runs on every rank, by the
-    line it logs."""
+    MULTI_CPU); tests/test_fsdp_cpu.py runs this sharded on two CPU processes through the test hook of
+    training/fsdp_hook.py, and checks that it runs on every rank by the line it logs."""
     state_dict = trainer.accelerator.get_state_dict(trainer.model)
     log.info(
         "rank %d: gathered the trained weights (%d tensors here)",
@@ -243,8 +313,9 @@ def gather_weights(trainer) -> dict[str, torch.Tensor]:
     return state_dict
 
 
-def write_checkpoint(weights, path, tcfg, tokenizer, job, final: dict, rows: list[dict]) -> None:
-    """A plain HF folder: the trained model (LoRA merged in) in the starting dtype, and a summary.
+def write_checkpoint(weights, path, tcfg, tokenizer, job, final: dict, rows: list[dict], work: dict) -> None:
+    """A plain HF folder: the trained model (LoRA merged in) in the starting dtype, and a summary (with
+    the `work` that made it, see finished_work).
 
     Rank 0 alone, so nothing here may be a collective: the gathered weights are loaded into a fresh
     copy of the starting model on the CPU (never the sharded module, whose merge or dtype change would
@@ -268,6 +339,7 @@ def write_checkpoint(weights, path, tcfg, tokenizer, job, final: dict, rows: lis
             "round": job.round_idx,
             "model_ref": job.model_ref,
             "config": tcfg.model_dump(mode="json"),
+            "work": work,
             "final": final,
             "metrics_rows": rows,
         }

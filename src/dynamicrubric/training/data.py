@@ -19,7 +19,7 @@ from dynamicrubric.config import (
     policy_variant,
     round_seed,
 )
-from dynamicrubric.models import resolve_model
+from dynamicrubric.models import check_model_folder, resolve_model_config
 
 TRAINING_STAGES = ("train-policy", "train-evaluator")
 
@@ -131,6 +131,10 @@ def evaluator_dataset(
     the set's responses, and their reference ranks where the set has an anchor list."""
     from dynamicrubric.rubrics import generator_messages, rubric_requests
 
+    # One prompt per set, whatever rubrics.shuffle says: TRL's GRPO group is num_generations samples of
+    # one dataset row, and its advantage compares samples of the same prompt. Samples that each read
+    # their own order would be answers to different prompts, and the trained-on prompt (the row's)
+    # would not be the one most of them were written for.
     requests = rubric_requests(
         candidate_sets, cfg, "dynamic", round_seed(cfg, round_idx, SeedPurpose.EVALUATOR_RUBRICS)
     )
@@ -162,10 +166,12 @@ def check_context(
 ) -> None:
     """Refuse a prompt whose chat, with `room` completion tokens, does not fit the model's context,
     before any model loads: training would try to allocate many GB for it (a 4 MB prompt: 17 GB). The
-    inference stages refuse it the same way (engines)."""
+    inference stages refuse it the same way (engines). It reads the model's config and tokenizer only:
+    a task with a pod's memory and disk must not fetch the weights just for this."""
     from transformers import AutoConfig, AutoTokenizer
 
-    path = resolve_model(model_ref)
+    path = resolve_model_config(model_ref)
+    check_model_folder(model_ref, path)  # a cut-off copy, a config of {}: here, not in two tracebacks
     limits = [int(getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", 0) or 0)]
     if cfg.engine.engine == "vllm" and cfg.engine.max_model_len:  # the trainer's vLLM gets this length
         limits.append(cfg.engine.max_model_len)

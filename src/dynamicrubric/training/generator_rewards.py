@@ -12,6 +12,8 @@ import pandas as pd
 
 from dynamicrubric.config import Config
 from dynamicrubric.training.reward_common import (
+    Scored,
+    Share,
     StepScorer,
     aggregate_step,
     artifact_table,
@@ -19,11 +21,10 @@ from dynamicrubric.training.reward_common import (
     finish_reason,
     kept_on_failure,
     log_all,
-    prompt_group_ids,
     score_by_groups,
     set_aside_failed,
-    step_dir,
     step_uris,
+    whole_step,
     write_step_tables,
 )
 
@@ -101,24 +102,25 @@ class GeneratorRewards(StepScorer):
             )
         ]
         values, metrics = score_by_groups(
-            rows, self.g, lambda r, rank, world: self.score(r, step, rank, world), self.served
+            rows, self.g, lambda r, share: self.score(r, step, share), self.served
         )
         log_all(log_metric, metrics)
         result = ([v[0] for v in values], [v[1] for v in values])
         self._last = (key, result)
         return result
 
-    def score(self, rows: list[dict], step: int, rank: int = 0, world: int = 1) -> tuple[list, dict]:
-        """(r_disc, r_anchor) for whole groups of G rubric samples; writes the step's artifacts."""
+    def score(self, rows: list[dict], step: int, share: Share | None = None) -> Scored:
+        """(r_disc, r_anchor) for whole groups of G rubric samples (`share` of the step's batch, default
+        all of it); writes the step's artifacts (its part's)."""
         if not rows:
-            return [], {}
+            return Scored([], {})
         from dynamicrubric.rubrics import TRUNCATED, rubric_rows
 
         started = time.perf_counter()
         cfg, g = self.cfg, self.g
-        folder = step_dir(self.steps_uri, step, rank, world)
-        uri = step_uris(folder)
-        set_ids = prompt_group_ids(rows, g, "prompt_id")
+        share = share or whole_step(rows, g)
+        uri = step_uris(share.folder(self.steps_uri, step))
+        set_ids = list(share.ids)
         sets = [rows[i * g] for i in range(len(set_ids))]
         rollouts = pd.DataFrame(
             [
@@ -174,7 +176,9 @@ class GeneratorRewards(StepScorer):
         with kept_on_failure(uri, tables, step):
             judged = self.judge_step(tables)
             call_metrics = {k: v for k, v in judged.items() if "/calls_" in k}
-            failed = set_aside_failed(cfg, uri, tables, set_ids, "train-evaluator", step, call_metrics)
+            failed, loss = set_aside_failed(
+                cfg, uri, tables, set_ids, "train-evaluator", step, call_metrics, self.servers(), share
+            )
             overall: dict = {}
             if len(failed) < len(set_ids):
                 kept = anchors[~anchors["list_id"].isin(failed)] if len(anchors) else anchors
@@ -216,4 +220,4 @@ class GeneratorRewards(StepScorer):
             "time/judge_s": judged["time/judge_s"],
             "time/reward_s": time.perf_counter() - started,
         }
-        return values, metrics
+        return Scored(values, metrics, loss)

@@ -28,9 +28,11 @@ process.py).
 from __future__ import annotations
 
 import gc
+import logging
 import shutil
 import time
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 
@@ -38,12 +40,14 @@ from dynamicrubric import store
 from dynamicrubric.artifacts import write_artifact
 from dynamicrubric.config import Config
 from dynamicrubric.models import resolve_model
+from dynamicrubric.training import cpu_waits
 from dynamicrubric.training.arguments import grpo_arguments
 from dynamicrubric.training.checkpoints import (
     already_done,
     checkpoint_callback,
     checkpoint_origin,
     fetch_checkpoint,
+    finished_work,
     gather_weights,
     lora_config,
     resume_point,
@@ -62,13 +66,15 @@ from dynamicrubric.training.monitoring import (
     step_split_callback,
 )
 
+log = logging.getLogger(__name__)
+
 
 def train(cfg: Config, job: TrainingJob) -> dict:
     """Online GRPO on the job's model; writes a checkpoint folder to `job.out_uri` and returns the final
     metrics, with the steps' time measurements apart under "timings" (they go to MLflow, not to the
     artifacts, so that a rerun writes the same bytes)."""
     if store.is_complete(job.out_uri):
-        return already_done(job.out_uri, job.metrics_uri)
+        return already_done(cfg, job)
     if job.stage == "train-policy":
         from dynamicrubric.training.policy_reward import PolicyReward
 
@@ -80,6 +86,18 @@ def train(cfg: Config, job: TrainingJob) -> dict:
         reward = GeneratorRewards.for_job(cfg, job)
         reward_funcs = reward.functions
     return _grpo(cfg, job, job_dataset(cfg, job), reward_funcs, reward.release_models)
+
+
+def _restore_indexed_cpu() -> None:
+    """Let torch.load restore tensors to `cpu:0`. accelerate 1.15 names a gloo process's device cpu:0,
+    transformers resumes the optimizer state with map_location=args.device when world_size > 1, and torch
+    restores only to "cpu": every multi-process CPU resume failed ("don't know how to restore data
+    location ... (tagged with cpu:0)"). Only without CUDA; a GPU process's device is cuda:N."""
+    torch.serialization.register_package(30, lambda storage: None, _indexed_cpu)
+
+
+def _indexed_cpu(obj, location: str):
+    return obj if location.startswith("cpu:") else None
 
 
 def _grpo(
@@ -97,9 +115,18 @@ def _grpo(
     stage, setting = job.stage, trainee(cfg, job.stage)
     tcfg = setting.tcfg
     cuda = torch.cuda.is_available()
-    state = PartialState(cpu=not cuda)  # without CUDA: gloo processes (TRL's use_cpu joins this state)
+    # Without CUDA: gloo processes (TRL's use_cpu joins this state). This creates the process group, so its
+    # timeout is set here: TrainingArguments' ddp_timeout comes after the group exists and never applies.
+    # It bounds every collective wait, among them the other ranks' wait while rank 0 uploads a checkpoint.
+    timeout = timedelta(seconds=tcfg.process_group_timeout_s)
+    state = PartialState(cpu=not cuda, timeout=timeout)
+    if state.num_processes > 1:
+        log.info("rank %d: process group timeout %s", state.process_index, group_timeout(state.device))
     if not cuda:
+        _restore_indexed_cpu()
         bound_lm_head_tiles()
+    # Where ranks wait for another rank's store transfer or served scores: not in an accelerator collective.
+    cpu_waits.init(timedelta(seconds=tcfg.wait_timeout_s))
     if state.num_processes != tcfg.world_size:
         raise ValueError(
             f"{stage}: world_size is {tcfg.world_size} in the config but {state.num_processes} process(es) "
@@ -116,8 +143,11 @@ def _grpo(
     work_uri = work_prefix(job.out_uri)
     origin = checkpoint_origin(job.model_ref, tcfg)
     resume = resume_point(stage, work_uri, origin, tcfg.max_steps)  # every rank refuses a wrong one
-    if resume:
-        with state.local_main_process_first():  # one download per node: the others reuse it
+    if resume:  # one download per node: the others reuse it
+        if state.is_local_main_process:
+            resume = fetch_checkpoint(resume, scratch)
+        cpu_waits.barrier()
+        if not state.is_local_main_process:
             resume = fetch_checkpoint(resume, scratch)
     args = grpo_arguments(cfg, setting, str(scratch), accumulation, bf16)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -138,6 +168,8 @@ def _grpo(
             step_split_callback(timer),
         ],
     )
+    reference_from_rank0(trainer, model)
+    log_reference(trainer)
     started = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     rows, timings = split_timings(
@@ -155,8 +187,77 @@ def _grpo(
     if state.is_main_process:
         if job.metrics_uri:
             write_artifact(job.metrics_uri, "metrics", rows)
-        write_checkpoint(weights, path, tcfg, tokenizer, job, recorded, rows)
+        write_checkpoint(weights, path, tcfg, tokenizer, job, recorded, rows, finished_work(cfg, job))
         store.delete_dir(work_uri)  # the trainer checkpoints (and, locally, the scratch folder inside)
         shutil.rmtree(scratch, ignore_errors=True)
-    state.wait_for_everyone()
+    cpu_waits.barrier()  # rank 0 exported the model
     return final
+
+
+def reference_from_rank0(trainer, model) -> None:
+    """Give TRL's reference model rank 0's weights on every rank, under FSDP2 with RAM-efficient loading.
+
+    With `fsdp_cpu_ram_efficient_loading` (accelerate/fsdp.yaml: one copy of the model in CPU memory per
+    node, not one per process) transformers loads the weights on local rank 0 only and zeros elsewhere
+    (buffers included); accelerate broadcasts rank 0's weights when it prepares the policy, but TRL shards
+    the reference with a bare `fully_shard` (trl models/utils.py `prepare_fsdp`), so its shards on the other
+    ranks stay zeros and the KL term would pull towards them. The policy is not prepared yet: rank 0's copy
+    holds the starting weights, which the reference is. Each parameter is scattered from there into the
+    reference's shards in place (tied weights stay tied, FSDP keeps its own storage), and its buffers
+    come from rank 0's reference. Every rank must call this (a collective)."""
+    accelerator, reference = trainer.accelerator, trainer.ref_model
+    if reference is None or not accelerator.is_fsdp2:
+        return
+    if not accelerator.state.fsdp_plugin.cpu_ram_efficient_loading:
+        return  # every rank loaded the real weights
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    start = dict(model.named_parameters()) if accelerator.is_main_process else {}
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if not isinstance(param, DTensor):  # not sharded (an ignored parameter): whole on every rank
+                if start:
+                    param.copy_(start[name])
+                dist.broadcast(param, src=0)
+                continue
+            local = param.to_local()
+            if start:
+                full = start[name].detach().to(local.device, local.dtype)
+            else:
+                full = torch.empty(param.shape, dtype=local.dtype, device=local.device)
+            local.copy_(
+                distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=0).to_local()
+            )
+        for buffer in reference.buffers():
+            dist.broadcast(buffer, src=0)
+
+
+def log_reference(trainer) -> None:
+    """Lines per rank: the sum of |w| over the reference model's parameters this rank holds (its shards
+    under FSDP2), so a log shows a rank whose reference is zeros (tests/test_fsdp_cpu.py reads it), and its
+    device map (bench/gpu_launch.py checks there is none on CUDA)."""
+    if trainer.ref_model is None:
+        return
+    from torch.distributed.tensor import DTensor
+
+    total = 0.0
+    with torch.no_grad():
+        for p in trainer.ref_model.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            total += local.double().abs().sum().item()
+    log.info("rank %d: reference model sum|w| %.17g", trainer.accelerator.process_index, total)
+    # A device map means transformers spread the copy over the devices it saw ("auto": every GPU of the
+    # node), outside the memory plan; FSDP or accelerate must place it instead.
+    device_map = getattr(trainer.ref_model, "hf_device_map", None)
+    log.info("rank %d: reference model device map %s", trainer.accelerator.process_index, device_map)
+
+
+def group_timeout(device: torch.device) -> timedelta | None:
+    """The default process group's timeout on `device`'s backend, as torch holds it (None if unknown)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    backend = dist.distributed_c10d._get_default_group()._get_backend(device)
+    return getattr(getattr(backend, "options", None), "_timeout", None)

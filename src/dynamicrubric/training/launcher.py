@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -29,6 +28,8 @@ import torch
 from dynamicrubric import store
 from dynamicrubric.config import Config, TrainConfig, served_roles
 from dynamicrubric.models import resolve_model
+from dynamicrubric.stopping import run_child
+from dynamicrubric.training import fsdp_hook
 from dynamicrubric.training.checkpoints import already_done
 from dynamicrubric.training.data import TrainingJob, check_batch, check_context, job_dataset, trainee
 
@@ -38,8 +39,9 @@ class TrainingError(ValueError):
 
 
 def accelerate_config(world_size: int, cuda: bool) -> Path | None:
-    """The FSDP config shipped in the package, for several GPU processes; None otherwise."""
-    if world_size > 1 and cuda:
+    """The FSDP config shipped in the package, for several GPU processes (for any under the test hook of
+    training/fsdp_hook.py); None otherwise."""
+    if (world_size > 1 and cuda) or fsdp_hook.asked():
         return Path(str(resources.files("dynamicrubric").joinpath("accelerate", "fsdp.yaml")))
     return None
 
@@ -109,16 +111,22 @@ class Rendezvous:
         return cls(int(nodes), int(rank), addr, int(port))
 
 
-def launch_command(world_size: int, args: list[str], node: Rendezvous | None = None) -> list[str]:
+def launch_command(
+    world_size: int, args: list[str], node: Rendezvous | None = None, rendezvous_timeout_s: int = 3600
+) -> list[str]:
     """`accelerate launch` of the training process with `world_size` processes in all (over the nodes of
-    `node`, this machine's rank among them, else on this machine alone): one per GPU with CUDA (FSDP for
-    several), else CPU processes (--cpu for one, gloo for several)."""
+    `node`, this machine's rank among them, waiting up to `rendezvous_timeout_s` for the others, else on
+    this machine alone): one per GPU with CUDA (FSDP for several), else CPU processes (--cpu for one,
+    gloo for several)."""
     cuda = torch.cuda.is_available()
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(world_size)]
     cmd += ["--num_machines", str(node.num_nodes if node else 1)]
     if node:
         cmd += ["--machine_rank", str(node.node_rank), "--main_process_ip", node.master_addr]
         cmd += ["--main_process_port", str(node.master_port)]
+        # accelerate hands --rdzv_conf to torchrun: the static rendezvous reads `timeout`, c10d `join_timeout`
+        timeout = int(rendezvous_timeout_s)
+        cmd += ["--rdzv_conf", f"timeout={timeout},join_timeout={timeout}"]
     cmd += ["--mixed_precision", "no", "--dynamo_backend", "no"]
     fsdp = accelerate_config(world_size, cuda)
     if fsdp is not None:
@@ -146,7 +154,7 @@ def launch(cfg: Config, job: TrainingJob) -> dict:
     """Run a training job in `world_size` fresh processes on this machine and return its final metrics
     (the steps' time measurements under "timings"). The config and the job travel as files."""
     if store.is_complete(job.out_uri):
-        return already_done(job.out_uri, job.metrics_uri)
+        return already_done(cfg, job)
     check_job(cfg, job)
     with tempfile.TemporaryDirectory() as tmp:
         result = str(Path(tmp) / "result.json")
@@ -165,7 +173,7 @@ def run_node(
     (`serving.reward_servers`) on this machine's share of them, after the trainer's GPUs, trains with
     their URLs in the config, and stops them whatever happens: every node of a several-node job serves
     its own copies, which its processes reach on localhost. Rank 0 writes the final metrics to
-    `result_uri`, or what it raised to `error_uri(result_uri)`."""
+    `result_uri`; the first process that raised, what it raised to `error_uri(result_uri)`."""
     key, tcfg = job.stage.replace("-", "_"), trainee(cfg, job.stage).tcfg
     with contextlib.ExitStack() as servers:
         env = training_env(tcfg, os.environ)
@@ -183,7 +191,8 @@ def run_node(
         config_file.write_text(cfg.to_yaml())
         job_file.write_text(job.to_json())
         args = ["--config", str(config_file), "--job", str(job_file), "--result", result_uri]
-        return subprocess.run(launch_command(tcfg.world_size, args, node), env=env, check=False).returncode
+        # Its own process group, stopped with this process (a pod's SIGTERM, a Ctrl-C): see stopping.py
+        return run_child(launch_command(tcfg.world_size, args, node, tcfg.rendezvous_timeout_s), env=env)
 
 
 def error_uri(result_uri: str) -> str:
@@ -193,10 +202,14 @@ def error_uri(result_uri: str) -> str:
 
 def launch_error(stage: str, result_uri: str, otherwise: str) -> Exception:
     """The error a failed training launch raises: what its process raised, said again here (its traceback
-    is above), a TrainingError for bad input; else `otherwise`."""
+    is above), a TrainingError for bad input, a ServedError for a model server's failure; else `otherwise`."""
     if not store.exists(error_uri(result_uri)):
         return RuntimeError(f"{stage}: {otherwise}")
     error = json.loads(store.read_bytes(error_uri(result_uri)))
+    if error.get("served"):
+        from dynamicrubric.engines import ServedError
+
+        return ServedError(error["message"])
     if error["user"]:
         return TrainingError(error["message"])
     return RuntimeError(f"{stage}: {error['type']}: {error['message']}")

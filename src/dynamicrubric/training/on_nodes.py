@@ -146,9 +146,9 @@ def train_on_nodes(cfg: Config, job: TrainingJob, jobs: TrainJobs | None = None)
     """Run a training job as a TrainJob and return its final metrics, as `launcher.launch` does on one
     node (see the module docstring)."""
     if store.is_complete(job.out_uri):
-        return already_done(job.out_uri, job.metrics_uri)
+        return already_done(cfg, job)
+    files = NodeFiles.of(cfg, job)  # first: a job that no node can read is refused before any download
     check_job(cfg, job)
-    files = NodeFiles.of(job)
     if not store.is_complete(files.job.out_uri):  # else: done by an earlier attempt; collect it
         _run(cfg, job, files, jobs or TrainJobs.connect())
     result = json.loads(store.read_bytes(files.result_uri))
@@ -322,10 +322,11 @@ def _api_errors(where: str) -> Iterator[None]:
 
 def copy_outputs(src: TrainingJob, dst: TrainingJob) -> None:
     """The nodes' outputs (in the work prefix) to the task's own: the checkpoint folder whole (its marker
-    last), every per-step file, the metrics file."""
+    last), every per-step file, the metrics file. Every file is streamed through local disk, none is
+    ever whole in memory (a trained model's one safetensors file can be 16 GB; the task has 4Gi)."""
     with tempfile.TemporaryDirectory() as tmp:
         store.upload_dir(store.download_dir(src.out_uri, Path(tmp) / "out"), dst.out_uri)
     for rel in store.list_files(src.steps_uri):
-        store.write_bytes(store.join(dst.steps_uri, rel), store.read_bytes(store.join(src.steps_uri, rel)))
+        store.copy_file(store.join(src.steps_uri, rel), store.join(dst.steps_uri, rel))
     if src.metrics_uri and dst.metrics_uri:
-        store.write_bytes(dst.metrics_uri, store.read_bytes(src.metrics_uri))
+        store.copy_file(src.metrics_uri, dst.metrics_uri)

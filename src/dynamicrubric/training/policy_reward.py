@@ -10,7 +10,10 @@ validated (`dynrubric validate`) and rerun (`dynrubric stage aggregate ...`) lik
   dynamic (G_t reads the prompt and the K completions, writes a rubric, V judges every item and
   completion), static (the rubric is written from the prompt alone), pointwise (V rates each
   completion) and verifiable (the task's checker: reasoning-gym `score_answer`, HumanEval tests in the
-  sandbox). The reward is the aggregated score, averaged over rubric samples.
+  sandbox). The reward is the aggregated score, averaged over rubric samples. With
+  `judge.item_dropout` the verifier judges a seeded subset of each rubric's items at each step (the
+  rubrics artifact keeps every item and names the judged ones in `judged_items`). Every step also logs
+  its length bias, `rewards/length_corr`: the within-group correlation of reward and length.
 - `GeneratorRewards` scores the generator's G rubric samples per candidate set (a prompt and P_{t−1}'s
   K responses): `r_disc` (items that split the set) and `r_anchor` (the rubric's agreement with the
   set's reference ranking, None where the set has none). TRL normalises each within its group and
@@ -19,21 +22,29 @@ validated (`dynrubric validate`) and rerun (`dynrubric stage aggregate ...`) lik
 The functions are stateless across steps: every random choice is seeded from (config seed, round,
 step), so a resumed run and a fresh run score the same batch identically. TRL hands a prompt's
 num_generations completions contiguously; with several processes each holds a slice, so the batch is
-gathered, each process scores every world-th group, and the scores are gathered back.
+gathered, scored by whole groups in parts (every world-th group in each process; with served models
+rank 0 all of them, or on several nodes each node's share through its own servers), and the scores are
+gathered back (reward_common.score_by_groups). A group is scored as in one part whatever the split.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import random
 import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
+from dynamicrubric.aggregate import TIE_TOLERANCE
 from dynamicrubric.config import Config, policy_variant, step_seed
 from dynamicrubric.training.reward_common import (
     Calls,
+    Scored,
+    Share,
     StepScorer,
     aggregate_step,
     artifact_table,
@@ -43,12 +54,11 @@ from dynamicrubric.training.reward_common import (
     kept_on_failure,
     log_all,
     outcomes,
-    prompt_group_ids,
     ranked_by,
     score_by_groups,
     set_aside_failed,
-    step_dir,
     step_uris,
+    whole_step,
     write_step_tables,
 )
 
@@ -103,19 +113,20 @@ class PolicyReward(StepScorer):
             )
         ]
         scores, metrics = score_by_groups(
-            rows, self.k, lambda r, rank, world: self.score(r, step, rank, world), self.served
+            rows, self.k, lambda r, share: self.score(r, step, share), self.served
         )
         log_all(log_metric, metrics)
         return scores
 
-    def score(self, rows: list[dict], step: int, rank: int = 0, world: int = 1) -> tuple[list[float], dict]:
-        """Scores for whole groups of K rows; writes the step's artifacts."""
+    def score(self, rows: list[dict], step: int, share: Share | None = None) -> Scored:
+        """Scores for whole groups of K rows (`share` of the step's batch, default all of it); writes
+        the step's artifacts (its part's)."""
         if not rows:
-            return [], {}
+            return Scored([], {})
         started = time.perf_counter()
-        cfg, folder = self.cfg, step_dir(self.steps_uri, step, rank, world)
-        uri = step_uris(folder)
-        group_ids = prompt_group_ids(rows, self.k, "prompt_id")
+        share = share or whole_step(rows, self.k)
+        cfg, uri = self.cfg, step_uris(share.folder(self.steps_uri, step))
+        group_ids = list(share.ids)
         seed = step_seed(cfg, self.round_idx, step)
         rollouts = pd.DataFrame(
             {
@@ -140,9 +151,11 @@ class PolicyReward(StepScorer):
         )
         tables = {"rollouts": artifact_table("rollouts", rollouts)}
         with kept_on_failure(uri, tables, step):
-            anchors, metrics, timing = self.judged(tables, rollouts, prompts, seed)
+            anchors, metrics, timing = self.judged(tables, rollouts, prompts, seed, step, share.indices)
             calls = {k: v for k, v in metrics.items() if "/calls_" in k}
-            failed = set_aside_failed(cfg, uri, tables, group_ids, "train-policy", step, calls)
+            failed, loss = set_aside_failed(
+                cfg, uri, tables, group_ids, "train-policy", step, calls, self.servers(), share
+            )
             metrics["rewards/failed_groups"] = len(failed)
             per_response: dict = {}
             if len(failed) < len(group_ids):
@@ -165,15 +178,25 @@ class PolicyReward(StepScorer):
             None if pid in failed else float(per_response[(pid, idx)])
             for pid, idx in zip(rollouts["prompt_id"], rollouts["sample_idx"], strict=True)
         ]
+        corr, groups = length_correlation(values, rollouts["num_tokens"].tolist(), self.k)
+        metrics["rewards/length_corr"] = corr  # NaN (not logged) when no group has one
+        metrics["rewards/length_corr_groups"] = groups
         timing["time/reward_s"] = time.perf_counter() - started
         metrics.update(timing)
-        return values, metrics
+        return Scored(values, metrics, loss)
 
     def judged(
-        self, tables: dict, rollouts: pd.DataFrame, prompts: pd.DataFrame, seed: int
+        self,
+        tables: dict,
+        rollouts: pd.DataFrame,
+        prompts: pd.DataFrame,
+        seed: int,
+        step: int,
+        set_indices: tuple[int, ...] | None = None,
     ) -> tuple[pd.DataFrame | None, dict[str, float], dict[str, float]]:
         """The step's judgments (into `tables`, with its rubrics for the rubric variants) and the
-        reference rankings of its verifiable groups (for Δgap); with the step's metrics and timings."""
+        reference rankings of its verifiable groups (for Δgap); with the step's metrics and timings.
+        `set_indices`: the groups' places in the step's batch (their rubric samples' seeds)."""
         cfg = self.cfg
         metrics: dict[str, float] = {}
         timing: dict[str, float] = {}
@@ -190,17 +213,20 @@ class PolicyReward(StepScorer):
 
             t = time.perf_counter()
             generator = self._engines("generator", self.generator)
-            calls = Calls(generator, "rubrics")
-            rubrics, counts = generate_rubrics(
-                tables["rollouts"].to_pandas(),
-                cfg,
-                generator=self.generator,
-                samples=cfg.rubrics.samples,
-                variant=self.variant,
-                seed=seed,
-                engine=generator,
-                allow_failed=True,
-            )
+            with Calls(generator, "rubrics") as calls:
+                rubrics, counts = generate_rubrics(
+                    tables["rollouts"].to_pandas(),
+                    cfg,
+                    generator=self.generator,
+                    samples=cfg.rubrics.samples,
+                    variant=self.variant,
+                    seed=seed,
+                    engine=generator,
+                    allow_failed=True,
+                    set_indices=set_indices,
+                )
+            rubrics, kept = drop_items(rubrics, cfg.judge.item_dropout, (cfg.seed, self.round_idx, step))
+            metrics.update(kept)
             tables["rubrics"] = artifact_table("rubrics", rubrics)
             metrics.update(calls.done())
             timing["time/rubrics_s"] = time.perf_counter() - t
@@ -224,3 +250,61 @@ class PolicyReward(StepScorer):
             timeout_s=cfg.evaluate.sandbox_timeout_s,
         )
         return anchors, metrics, timing
+
+
+# --------------------------------------------------------------------------------------------------
+# Rubric item dropout and length bias
+
+
+def kept_items(num_items: int, share: float, rng: random.Random) -> list[int]:
+    """The item indices of a rubric of `num_items` items that the verifier judges under item dropout
+    `share`, ascending. share·n items are left out, rounded up or down at random in proportion to the
+    fraction (so that the share holds on average for any rubric size: a fixed rounding would leave
+    nothing out of a 3-item rubric at 0.3, or a third of it at 0.5), never the last item."""
+    exact = share * num_items
+    drop = min(int(exact) + (rng.random() < exact - int(exact)), max(num_items - 1, 0))
+    return sorted(rng.sample(range(num_items), num_items - drop))
+
+
+def drop_items(
+    rubrics: pd.DataFrame, share: float, step_key: tuple[int, int, int]
+) -> tuple[pd.DataFrame, dict[str, float]]:
+    """The step's rubrics with the items the verifier is to judge (judge.item_dropout), and the count
+    of items judged and left out. Each rubric sample keeps its own subset, drawn from (config seed,
+    round, step, prompt_id, rubric_idx) alone: the same for every response of the group (the judge asks
+    per rubric), another at the next step, and the same again when a resumed run scores the step.
+    The items stay as written (weights included); `judged_items` names those kept. Without dropout the
+    table is returned as it is, so its artifact is what it always was."""
+    total = int(rubrics["items"].map(len).sum())
+    if not share:
+        return rubrics, {"judge/items_kept": total, "judge/items_dropped": 0}
+    seed, round_idx, step = step_key
+    kept = [
+        kept_items(len(items), share, random.Random(f"item-dropout:{seed}:{round_idx}:{step}:{pid}:{ridx}"))
+        for pid, ridx, items in zip(
+            rubrics["prompt_id"], rubrics["rubric_idx"], rubrics["items"], strict=True
+        )
+    ]
+    judged = sum(len(k) for k in kept)
+    return rubrics.assign(judged_items=kept), {
+        "judge/items_kept": judged,
+        "judge/items_dropped": total - judged,
+    }
+
+
+def length_correlation(rewards: list[float | None], lengths: list[int], k: int) -> tuple[float, int]:
+    """Length bias: the mean over groups (K consecutive completions) of the Pearson correlation between
+    the group's rewards and its completions' lengths in tokens, and the number of groups averaged. A
+    group without rewards (its scoring failed) or whose rewards or lengths are all equal has no
+    correlation and is left out; NaN, not 0, when no group is left (0 would read as "no bias")."""
+    correlations = []
+    for start in range(0, len(rewards), k):
+        group = rewards[start : start + k]
+        if any(r is None for r in group):
+            continue
+        r, n = np.asarray(group, np.float64), np.asarray(lengths[start : start + k], np.float64)
+        # Scores this close are ties (aggregate.TIE_TOLERANCE): their "spread" is rounding, not signal.
+        if np.ptp(r) <= TIE_TOLERANCE or np.ptp(n) == 0:
+            continue
+        correlations.append(float(np.corrcoef(r, n)[0, 1]))
+    return (float(np.mean(correlations)) if correlations else math.nan), len(correlations)

@@ -9,6 +9,7 @@ import os
 import sys
 
 from dynamicrubric import store
+from dynamicrubric.training import fsdp_hook
 from dynamicrubric.training.data import TrainingJob
 from dynamicrubric.training.grpo import train
 from dynamicrubric.training.launcher import error_uri
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         "--result", default=None, help="write the final metrics here as JSON (a path or s3:// URI)"
     )
     a = parser.parse_args(argv)
+    fsdp_hook.apply_if_asked()  # a test's FSDP2 path (training/fsdp_hook.py; no effect otherwise)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # Local files from the one-node launcher; URIs in the store on a TrainJob's nodes (training/trainjob.py)
     cfg = config_from_yaml(store.read_bytes(a.config).decode())
@@ -38,14 +40,18 @@ def main(argv: list[str] | None = None) -> int:
         if a.result:  # for the launcher, which reports it as its own error
             from dynamicrubric.artifacts import ArtifactError
             from dynamicrubric.config import ConfigError
-            from dynamicrubric.engines import EngineError
+            from dynamicrubric.engines import EngineError, ServedError
             from dynamicrubric.models import ModelError
 
             user = isinstance(
                 e, ArtifactError | ConfigError | store.StoreError | EngineError | ModelError | ValueError
             )
-            error = {"user": user, "type": type(e).__name__, "message": str(e)}
-            store.write_bytes(error_uri(a.result), json.dumps(error).encode())
+            served = isinstance(e, ServedError)  # a model server's failure: said again as one, whole
+            error = {"user": user, "served": served, "type": type(e).__name__, "message": str(e)}
+            # The first rank's error is the cause: the others' come after it, from a peer that died
+            # ("Connection closed by peer"), and must not replace it.
+            if not store.exists(error_uri(a.result)):
+                store.write_bytes(error_uri(a.result), json.dumps(error).encode())
         raise
     from accelerate import PartialState
 
@@ -60,7 +66,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
+    from dynamicrubric.stopping import Stopped, raise_on_stop_signals
+
+    raise_on_stop_signals()  # a stopped launch unwinds (its temp folders go) and prints no traceback
+    try:
+        code = main()
+    except Stopped as e:
+        sys.exit(e.exit_code)
     # Everything this process wrote is closed. Its interpreter's teardown (a full garbage collection over
     # torch, transformers and TRL, then triton's bindings printing leak warnings) would take seconds
     # more of every training task for nothing.

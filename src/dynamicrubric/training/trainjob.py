@@ -155,7 +155,9 @@ class NodeFiles:
     job: TrainingJob
 
     @classmethod
-    def of(cls, job: TrainingJob) -> NodeFiles:
+    def of(cls, cfg: Config, job: TrainingJob) -> NodeFiles:
+        """The files of `job`'s TrainJob; its inputs as the nodes can read them (`node_inputs`)."""
+        job = node_inputs(cfg, job)
         work = work_prefix(job.out_uri) + "/trainjob"
         metrics = store.join(work, Path(job.metrics_uri).name) if job.metrics_uri else None
         outputs = {
@@ -163,9 +165,57 @@ class NodeFiles:
             "steps_uri": store.join(work, "steps"),
             "metrics_uri": metrics,
         }
-        return cls(
+        files = cls(
             store.join(work, "config.yaml"),
             store.join(work, "job.json"),
             store.join(work, "result.json"),
             dataclasses.replace(job, **outputs),
         )
+        if not store.is_s3(work):  # a local pipeline root: the nodes would write where the task never looks
+            raise _unreadable(job.stage, "job.out_uri", job.out_uri)
+        return files
+
+
+def node_inputs(cfg: Config, job: TrainingJob) -> TrainingJob:
+    """`job` with every input as a node pod reads it. The KFP task sees its input artifacts as its pod's
+    local paths (/s3/b/k, /minio/b/k: kfp's artifact_types), which exist on no node's pod: each maps
+    back to its s3:// URI (tracking.artifact_uri). A model named by a built-in name or a hub id stays as
+    it is. Any other local path, in the job or in the config's `models` a node falls back to, is refused
+    in one line naming the field, before anything is submitted."""
+    from dynamicrubric.models import BUILTIN_MODELS, model_reference
+    from dynamicrubric.tracking import artifact_uri
+
+    def data(name: str, uri: str) -> str:
+        mapped = artifact_uri(uri) if uri else uri
+        if mapped and not store.is_s3(mapped):
+            raise _unreadable(job.stage, f"job.{name}", uri)
+        return mapped
+
+    def model(name: str, ref: str) -> str:
+        mapped = model_reference(ref) if ref else ref
+        hub_id = "://" not in mapped and not mapped.startswith(("/", ".", "~")) and not Path(mapped).exists()
+        if mapped and not (mapped in BUILTIN_MODELS or store.is_s3(mapped) or hub_id):
+            raise _unreadable(job.stage, name, ref)
+        return mapped
+
+    models = {}
+    for role in ("policy", "generator", "verifier"):
+        models[role] = model(f"job.{role}", getattr(job, role))
+        if not models[role] and not getattr(cfg.models, f"{role}_url", ""):  # the node loads the config's
+            model(f"models.{role}", getattr(cfg.models, role))
+    return dataclasses.replace(
+        job,
+        **models,
+        prompts_uri=data("prompts_uri", job.prompts_uri),
+        candidates=tuple(data("candidates", uri) for uri in job.candidates),
+        anchors=tuple(data("anchors", uri) for uri in job.anchors),
+    )
+
+
+def _unreadable(stage: str, field: str, value: str) -> Exception:
+    from dynamicrubric.training.launcher import TrainingError  # not at import: it loads torch
+
+    return TrainingError(
+        f"{stage}: {field} is {value!r}, a path the TrainJob's nodes cannot reach (each is another pod, "
+        "with its own filesystem): give it as an s3:// URI"
+    )
