@@ -35,6 +35,19 @@ def _model_cache(tmp_path_factory):
     yield
 
 
+@pytest.fixture(autouse=True)
+def _root_log_handlers():
+    """A test that runs `cli.main` in-process may take pytest's handlers off the root logger so the CLI's
+    own setup logs to the captured stderr; put the root's handlers back as they were after every test,
+    so no handler outlives the capture it writes to (CI: "Logging error ... I/O operation on closed
+    file" in later tests when one was left behind)."""
+    import logging
+
+    before = logging.root.handlers[:]
+    yield
+    logging.root.handlers[:] = before
+
+
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory):
     server = SeaweedS3(tmp_path_factory.mktemp("seaweed")).start()
