@@ -335,6 +335,7 @@ def test_the_trainers_trace_the_judged_sets_of_some_steps(tiny_run, walked):
     traces its sets: one trace a set, with a Feedback per (item, response) from the verifier."""
     client, runs = walked
     experiment = runs[0].info.experiment_id
+    with_items = 0
     for run in runs:
         if run.data.tags[tracking.STAGE_TAG] not in ("train-policy", "train-evaluator"):
             continue
@@ -345,4 +346,10 @@ def test_the_trainers_trace_the_judged_sets_of_some_steps(tiny_run, walked):
         for trace in traces:
             root = trace.data.spans[0]
             assert root.name.startswith("judged set step-00001/")  # only step 1 of tiny's 3 steps
-            assert any(a.feedback is not None for a in trace.info.assessments)
+            (generation,) = [s for s in trace.data.spans if s.name == "rubric generation"]
+            items = sum(len(r["items"]) for r in generation.outputs["rubrics"])
+            feedback = [a for a in trace.info.assessments if a.feedback is not None]
+            # tiny-random's G often writes a truncated rubric with no items: nothing for V to judge
+            assert bool(feedback) == (items > 0), (root.name, items, len(feedback))
+            with_items += items > 0
+    assert with_items > 0
