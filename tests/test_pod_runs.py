@@ -94,7 +94,13 @@ def test_chained_tiny_run_as_pods(tmp_path, s3_env, mlflow_server, s3_mount, mon
         "mlflow_tracking_uri": mlflow_server.url,
         "caching": False,
     }
-    config.write_text(yaml.safe_dump({"preset": "tiny", "pipeline": pipeline}))
+    # one training step a trainer and one evaluate variant: every artifact still crosses the pods (CI minutes)
+    lighter = {
+        "train_evaluator": {"max_steps": 1},
+        "train_policy": {"max_steps": 1},
+        "evaluate": {"variants": ["dynamic"]},
+    }
+    config.write_text(yaml.safe_dump({"preset": "tiny", "pipeline": pipeline, **lighter}))
     cfg = load_config(config)
     launchers: list[PodLauncher] = []
 

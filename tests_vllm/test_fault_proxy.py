@@ -106,8 +106,9 @@ def _cfg(urls: dict[str, str], serving: dict[str, Any]) -> Config:
             "aggregate": {"soft": True},  # rewards from P(yes) itself: a changed verdict changes them
             "rollout": {"k": 2},
             # one item a rubric: tiny-random's finish within 160 tokens often enough (2 of 6 at 128)
+            # shuffle off: both samples of a set in one request (n=2), so "fewer_choices" drops 1 of 2
             "rubrics": {"variant": "dynamic", "samples": 2, "train_samples": 2, "num_items": 1,
-                        "max_new_tokens": 160},
+                        "max_new_tokens": 160, "shuffle": False},
             "judge": {"variant": "rubric"},
             "models": {f"{role}_url": url for role, url in urls.items()},
             "serving": {
