@@ -256,7 +256,7 @@ def test_the_evaluate_stage_traces_through_an_mlflow_server(tiny_run, served, tm
         f"{served}/#/experiments/{experiment}/traces",
         tmp_path,
         f"--screenshot={shot}",
-        "--window-size=1900,1000",
+        "--window-size=3000,1100",  # wide enough for the assessment columns beside MLflow's side panel
         "--virtual-time-budget=20000",
         timeout=180,
     )
