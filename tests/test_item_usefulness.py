@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
 import re
 from pathlib import Path
@@ -14,8 +13,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_bad_inputs import run_cli
 
-from dynamicrubric import cli
 from dynamicrubric.artifacts import ArtifactError, read_artifact, read_frame, to_table, write_artifact
 from dynamicrubric.config import load_config
 from dynamicrubric.item_usefulness import (
@@ -102,17 +101,6 @@ def planted(round_idx: int = 1) -> pd.DataFrame:
 def _row(frame: pd.DataFrame, prompt_id: str, item_idx: int) -> pd.Series:
     (row,) = frame[(frame["prompt_id"] == prompt_id) & (frame["item_idx"] == item_idx)].to_dict("records")
     return pd.Series(row)
-
-
-def _cli(argv: list[str], capsys) -> tuple[int, str]:
-    for handler in list(logging.root.handlers):  # cli.main sets logging up once per process
-        logging.root.removeHandler(handler)
-    try:
-        code = cli.main(argv)
-    except SystemExit as e:  # argparse
-        code = e.code
-    captured = capsys.readouterr()
-    return code, captured.out + captured.err
 
 
 # ---- the measures, by hand
@@ -374,7 +362,7 @@ def test_validate_refuses_a_broken_artifact(tmp_path, capsys, breakage, expected
     bad = _raw(tmp_path / "bad.parquet", breakage(to_table("item_usefulness", planted())))
     with pytest.raises(ArtifactError, match=expected):
         read_artifact(bad)
-    code, output = _cli(["validate", good, bad], capsys)
+    code, output = run_cli(["validate", good, bad], capsys)
     assert code == 1
     assert f"OK   {good}: kind=item_usefulness rows=5" in output
     (failed,) = [line for line in output.splitlines() if line.startswith("FAIL")]
@@ -446,7 +434,7 @@ def _export(logged_run, run: str, round_idx: int, out: Path, *extra: str) -> lis
 
 def test_export_writes_the_useful_items_of_a_round(logged_run, tmp_path, capsys):
     out = tmp_path / "useful.jsonl"
-    code, output = _cli(_export(logged_run, logged_run["parent"], 1, out), capsys)
+    code, output = run_cli(_export(logged_run, logged_run["parent"], 1, out), capsys)
     assert code == 0, output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["prompt_id"], r["item_idx"]) for r in rows] == [("p0", 0), ("p1", 0)]
@@ -459,14 +447,14 @@ def test_export_writes_the_useful_items_of_a_round(logged_run, tmp_path, capsys)
 
 def test_export_all_as_parquet_by_run_name(logged_run, tmp_path, capsys):
     out = tmp_path / "all.parquet"
-    code, output = _cli(_export(logged_run, "items-run", 1, out, "--all"), capsys)
+    code, output = run_cli(_export(logged_run, "items-run", 1, out, "--all"), capsys)
     assert code == 0, output
     pd.testing.assert_frame_equal(read_frame(str(out), "item_usefulness"), planted(), check_dtype=False)
 
 
 def test_a_round_with_nothing_useful_writes_an_empty_file_and_says_so(logged_run, tmp_path, capsys):
     out = tmp_path / "none.jsonl"
-    code, output = _cli(_export(logged_run, logged_run["parent"], 2, out), capsys)
+    code, output = run_cli(_export(logged_run, logged_run["parent"], 2, out), capsys)
     assert code == 0, output
     assert out.read_text() == ""
     assert "none of round 2's 5 items is useful" in output
@@ -496,7 +484,7 @@ def _error(code: int, output: str) -> str:
 def test_export_errors_are_one_line(logged_run, tmp_path, capsys, run, round_idx, expected):
     out = tmp_path / "x.jsonl"
     run = logged_run["parent"] if run == "PARENT" else run
-    line = _error(*_cli(_export(logged_run, run, round_idx, out), capsys))
+    line = _error(*run_cli(_export(logged_run, run, round_idx, out), capsys))
     assert re.search(expected, line), line
     assert not out.exists()
 
@@ -507,27 +495,27 @@ def test_export_refuses_a_stage_run_in_place_of_the_pipeline_run(logged_run, tmp
     client = mlflow.MlflowClient(tracking_uri=logged_run["uri"])
     experiment = client.get_run(logged_run["parent"]).info.experiment_id
     stage_run = client.search_runs([experiment], "tags.`dynrubric.stage` = 'evaluate'")[0].info.run_id
-    line = _error(*_cli(_export(logged_run, stage_run, 1, tmp_path / "x.jsonl"), capsys))
+    line = _error(*run_cli(_export(logged_run, stage_run, 1, tmp_path / "x.jsonl"), capsys))
     assert line == f"error: {stage_run} is not a pipeline's parent run (MLflow shows it under one)"
 
 
 def test_export_never_overwrites_its_input_or_a_folder(logged_run, tmp_path, capsys):
     artifact = logged_run["root"] / "items-1.parquet"
     before = artifact.read_bytes()
-    line = _error(*_cli(_export(logged_run, logged_run["parent"], 1, artifact), capsys))
+    line = _error(*run_cli(_export(logged_run, logged_run["parent"], 1, artifact), capsys))
     assert "an output cannot be written where the input" in line
     assert artifact.read_bytes() == before
     folder = tmp_path / "folder.jsonl"
     folder.mkdir()
-    line = _error(*_cli(_export(logged_run, logged_run["parent"], 1, folder), capsys))
+    line = _error(*run_cli(_export(logged_run, logged_run["parent"], 1, folder), capsys))
     assert line.endswith("exists and is a folder, not a file")
 
 
 def test_export_refuses_an_unknown_format_and_a_missing_store(logged_run, tmp_path, capsys):
-    line = _error(*_cli(_export(logged_run, logged_run["parent"], 1, tmp_path / "x.csv"), capsys))
+    line = _error(*run_cli(_export(logged_run, logged_run["parent"], 1, tmp_path / "x.csv"), capsys))
     assert line.endswith("expected a .jsonl or .parquet file, found .csv")
     argv = ["items", "export", "r", "--round", "1", "--out", str(tmp_path / "x.jsonl"),
             "--tracking-uri", f"sqlite:///{tmp_path}/none.db"]  # fmt: skip
-    line = _error(*_cli(argv, capsys))
+    line = _error(*run_cli(argv, capsys))
     assert line == f"error: --tracking-uri sqlite:///{tmp_path}/none.db: no such database file"
     assert not (tmp_path / "none.db").exists()
