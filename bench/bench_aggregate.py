@@ -7,7 +7,7 @@ with 4..12 weighted items (1% empty rubrics, as parse failures give), a quarter 
 anchor ranking (with ties). Judgment rows are shuffled, so no code path can rely on their order.
 
 Timed side by side in one process:
-- `dynamicrubric.aggregate.aggregate` on all judgments (best of R runs), from in-memory frames of the
+- `dynamicrubric.scoring.aggregate.aggregate` on all judgments (best of R runs), from in-memory frames of the
   dtypes `read_frame` gives (the Parquet read is not timed: it is the same for both);
 - a naive pandas groupby-apply implementation of the same numbers. It needs minutes on 10M rows, so it
   runs on the judgments of a random subsample of prompts and its time is extrapolated linearly by the
@@ -32,8 +32,8 @@ import pandas as pd
 import pyarrow as pa
 
 from bench import cpu_model
-from dynamicrubric.aggregate import aggregate
-from dynamicrubric.artifacts import RUBRIC_ITEM
+from dynamicrubric.infra.artifacts import RUBRIC_ITEM
+from dynamicrubric.scoring.aggregate import aggregate
 
 K = 8  # responses per prompt
 G = 2  # rubric samples per prompt

@@ -42,7 +42,7 @@ def write_inputs(n: int, folder: Path) -> tuple[str, str]:
     """Rollouts and rubrics artifacts that give n judgments (rounded up to whole prompts)."""
     import pandas as pd
 
-    from dynamicrubric.artifacts import write_artifact
+    from dynamicrubric.infra.artifacts import write_artifact
 
     prompts = -(-n // PER_PROMPT)
     rollouts = pd.DataFrame(
@@ -91,7 +91,7 @@ class TokenizeOnlyEngine(Engine):
     def __init__(self) -> None:
         from transformers import AutoTokenizer
 
-        from dynamicrubric.models import resolve_model
+        from dynamicrubric.infra.models import resolve_model
 
         self.model_ref = "tiny-random (tokenizer only)"
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model("tiny-random"))
@@ -116,10 +116,10 @@ class TokenizeOnlyEngine(Engine):
 
 def child(n: int, folder: str, mode: str) -> dict:
     """One measurement, in its own process: judge `n` questions the stage's way (or the former way)."""
-    from dynamicrubric.artifacts import read_frame
-    from dynamicrubric.config import load_config
-    from dynamicrubric.judge import run_judge
-    from dynamicrubric.prompts import JUDGE_ITEM_QUESTION, judge_context, split_chat_prompt
+    from dynamicrubric.infra.artifacts import read_frame
+    from dynamicrubric.infra.config import load_config
+    from dynamicrubric.scoring.judge import run_judge
+    from dynamicrubric.scoring.prompts import JUDGE_ITEM_QUESTION, judge_context, split_chat_prompt
 
     engine = TokenizeOnlyEngine()
     cfg = load_config(preset="tiny")

@@ -47,12 +47,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
 
-    from dynamicrubric.artifacts import write_artifact
-    from dynamicrubric.config import load_config
     from dynamicrubric.engines import load_engine
-    from dynamicrubric.judge import run_judge
-    from dynamicrubric.rollout import run_rollout
-    from dynamicrubric.rubrics import run_rubrics
+    from dynamicrubric.infra.artifacts import write_artifact
+    from dynamicrubric.infra.config import load_config
+    from dynamicrubric.scoring.judge import run_judge
+    from dynamicrubric.scoring.rollout import run_rollout
+    from dynamicrubric.scoring.rubrics import run_rubrics
     from dynamicrubric.tasks import load_prompts
 
     cfg = load_config(preset=args.preset)

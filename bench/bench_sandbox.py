@@ -25,7 +25,8 @@ from pathlib import Path
 from types import ModuleType
 
 from bench import machine_info, print_table, write_result
-from dynamicrubric import sandbox, tasks
+from dynamicrubric import tasks
+from dynamicrubric.infra import sandbox
 
 SANDBOX_FILES = ("sandbox.py", "_sandbox_launcher.py", "_sandbox_child.py")
 # main when issue #25 was filed: the sandbox without the per-run isolation

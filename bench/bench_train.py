@@ -38,8 +38,8 @@ import yaml
 
 from bench import RESULTS, machine_info, print_table, write_result
 from dynamicrubric import tasks
-from dynamicrubric.artifacts import write_artifact
-from dynamicrubric.config import load_config
+from dynamicrubric.infra.artifacts import write_artifact
+from dynamicrubric.infra.config import load_config
 from dynamicrubric.training import launcher
 from dynamicrubric.training.data import TrainingJob
 from dynamicrubric.training.monitoring import timing_frame
@@ -159,7 +159,7 @@ def _reward_inputs(cfg, model: str, prompts: int) -> dict:
     """One step's batch as TRL hands it to the policy's reward: `prompts` prompts x K completions,
     sampled once from the policy (HFEngine, seeded) so both paths score the very same completions."""
     from dynamicrubric.engines import HFEngine
-    from dynamicrubric.rollout import policy_prompt
+    from dynamicrubric.scoring.rollout import policy_prompt
 
     pool = tasks.configured_prompts(cfg.data, "train").head(prompts)
     policy = HFEngine(model, device="cpu", dtype="float32")
@@ -201,8 +201,8 @@ def served_reward(args: argparse.Namespace, overrides: dict) -> int:
 
     import numpy as np
 
-    from dynamicrubric.models import resolve_model
-    from dynamicrubric.serving import reward_servers
+    from dynamicrubric.infra.models import resolve_model
+    from dynamicrubric.infra.serving import reward_servers
     from dynamicrubric.training.policy_reward import PolicyReward
 
     if not Path(args.vllm_python).exists():

@@ -12,7 +12,7 @@ bootstrap intervals (bench/stats.py). The config is bench/study/evaluator_learns
     python -m bench.evaluator_learns [--config ...] [--out bench/results/evaluator_learns.json]
     python -m bench.evaluator_learns --work DIR --reuse   # recompute the JSON from DIR's finished steps
 
-R_disc is Σ w·Var_k(v)/Σ w (dynamicrubric.aggregate): with soft verdicts, how differently the verifier
+R_disc is Σ w·Var_k(v)/Σ w (dynamicrubric.scoring.aggregate): with soft verdicts, how differently the verifier
 judges the K responses. The paper's v̄(1 − v̄) with soft verdicts adds the verifier's doubt about each
 response (law of total variance: v̄(1 − v̄) = Var_k(p_yes) + mean_k p_yes(1 − p_yes)); the JSON reports
 that form (`soft_item_disc`) and the doubt (`uncertainty`) beside R_disc, per item averaged per set.
@@ -34,8 +34,8 @@ import pandas as pd
 
 from bench.stats import bootstrap_mean, paired_difference
 from dynamicrubric import tasks
-from dynamicrubric.artifacts import empty_table, read_frame, write_artifact
-from dynamicrubric.config import Config, load_config
+from dynamicrubric.infra.artifacts import empty_table, read_frame, write_artifact
+from dynamicrubric.infra.config import Config, load_config
 from dynamicrubric.stages.runner import run_stage
 from dynamicrubric.training import launcher
 from dynamicrubric.training.data import TrainingJob

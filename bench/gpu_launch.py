@@ -89,9 +89,9 @@ def run(work: Path, result: dict[str, Any]) -> list[str]:
     from transformers import AutoModelForCausalLM
 
     from dynamicrubric import store, tasks
-    from dynamicrubric.artifacts import read_frame, write_artifact
-    from dynamicrubric.config import load_config
-    from dynamicrubric.models import resolve_model
+    from dynamicrubric.infra.artifacts import read_frame, write_artifact
+    from dynamicrubric.infra.config import load_config
+    from dynamicrubric.infra.models import resolve_model
     from dynamicrubric.training import launcher
     from dynamicrubric.training.checkpoints import STALL_ENV
     from dynamicrubric.training.data import TrainingJob

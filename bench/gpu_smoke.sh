@@ -114,7 +114,7 @@ case "${1:-}" in
     PY=$(local_python)
     STEP="imports"
     # The project's modules that the step imports must need nothing the GPU machine lacks.
-    lacking=$("$PY" -c "import sys, bench.gpu_step as g, bench.gpu_launch, dynamicrubric.training.grpo, dynamicrubric.training.launcher, dynamicrubric.config
+    lacking=$("$PY" -c "import sys, bench.gpu_step as g, bench.gpu_launch, dynamicrubric.training.grpo, dynamicrubric.training.launcher, dynamicrubric.infra.config
 print(' '.join(m for m in g.LACKING if m in sys.modules))") || fail "$PY cannot import bench.gpu_step and dynamicrubric.training"
     [ -z "$lacking" ] || fail "dynamicrubric.training imports $lacking, which the GPU machine lacks"
     STEP="dry run"

@@ -25,12 +25,12 @@ import pandas as pd
 
 from bench.stats import bootstrap_mean, paired_difference
 from dynamicrubric import tasks
-from dynamicrubric.artifacts import read_frame, write_artifact
-from dynamicrubric.config import Config, load_config
 from dynamicrubric.engines import load_engine
-from dynamicrubric.evaluate import check_samples
-from dynamicrubric.models import resolve_model
-from dynamicrubric.rollout import sample_rollouts
+from dynamicrubric.evaluation.evaluate import check_samples
+from dynamicrubric.infra.artifacts import read_frame, write_artifact
+from dynamicrubric.infra.config import Config, load_config
+from dynamicrubric.infra.models import resolve_model
+from dynamicrubric.scoring.rollout import sample_rollouts
 from dynamicrubric.training import launcher
 from dynamicrubric.training.data import TrainingJob
 from dynamicrubric.training.monitoring import timing_frame

@@ -40,10 +40,11 @@ import pandas as pd
 
 from bench import RESULTS, machine_info
 from bench.stats import bootstrap_mean, paired_units, unit_intervals
-from dynamicrubric import tasks, tracking
-from dynamicrubric.artifacts import read_frame, write_artifact
-from dynamicrubric.config import Config, _merge, load_config
-from dynamicrubric.labelled import OUTCOMES_PREFIX
+from dynamicrubric import tasks
+from dynamicrubric.evaluation.labelled import OUTCOMES_PREFIX
+from dynamicrubric.infra import tracking
+from dynamicrubric.infra.artifacts import read_frame, write_artifact
+from dynamicrubric.infra.config import Config, _merge, load_config
 
 HERE = Path(__file__).parent / "study"
 PLOTS = Path(__file__).parent.parent / "docs" / "results"  # per-variant plots for the report
@@ -103,8 +104,8 @@ def mixed_share(cfg: Config, sources: list[str], prompts_per_task: int) -> dict[
     """Per task: the share of K-sample sets with mixed checker outcomes (some right, some wrong), and
     the mean accuracy, each with its bootstrap interval over prompts."""
     from dynamicrubric.engines import load_engine
-    from dynamicrubric.evaluate import check_samples
-    from dynamicrubric.rollout import sample_rollouts
+    from dynamicrubric.evaluation.evaluate import check_samples
+    from dynamicrubric.scoring.rollout import sample_rollouts
 
     engine = load_engine(cfg.models.policy, cfg.engine)
     out = {}
@@ -133,8 +134,8 @@ def mixed_share(cfg: Config, sources: list[str], prompts_per_task: int) -> dict[
 def step_costs(cfg: Config, work: Path, steps: int = 2) -> dict[str, Any]:
     """Seconds per step of both trainers on the study config (the dynamic reward), their per-step
     split, and the seconds of the once-a-round stages that do not scale with steps."""
-    from dynamicrubric.artifacts import empty_table
-    from dynamicrubric.evaluate import run_evaluate
+    from dynamicrubric.evaluation.evaluate import run_evaluate
+    from dynamicrubric.infra.artifacts import empty_table
     from dynamicrubric.stages.runner import run_stage
     from dynamicrubric.training import launcher
     from dynamicrubric.training.data import TrainingJob
@@ -241,8 +242,8 @@ def make_pairs(out: Path, minimum: int = MIN_PAIRS) -> int:
     """Chosen/rejected pairs from the untrained policy's samples on held-out prompts (one per prompt
     with mixed outcomes), sampling further prompts until there are `minimum`; returns the count."""
     from dynamicrubric.engines import load_engine
-    from dynamicrubric.evaluate import check_samples
-    from dynamicrubric.rollout import sample_rollouts
+    from dynamicrubric.evaluation.evaluate import check_samples
+    from dynamicrubric.scoring.rollout import sample_rollouts
 
     cfg = load_config(STUDY_CONFIG)
     study_eval = set(tasks.configured_prompts(cfg.data, "eval")["prompt"])
@@ -286,8 +287,8 @@ def make_pairs(out: Path, minimum: int = MIN_PAIRS) -> int:
 def run_variant(
     variant: str, root: Path, plots: Path, preset: str | None = None, extra: dict | None = None
 ) -> dict[str, Any]:
-    from dynamicrubric.evaluate import run_evaluate
-    from dynamicrubric.launch import run_local
+    from dynamicrubric.evaluation.evaluate import run_evaluate
+    from dynamicrubric.localrun.launch import run_local
 
     root = root.resolve() / variant
     if root.exists():  # a fresh store: kfp.local's cache and old MLflow runs would skew the numbers

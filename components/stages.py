@@ -17,7 +17,7 @@ from typing import Dict  # KFP parses typing.Dict, not dict[...]
 from kfp import dsl
 from kfp.dsl import Artifact, Output
 
-from dynamicrubric.config import STAGE_FACTS
+from dynamicrubric.infra.config import STAGE_FACTS
 from dynamicrubric.stages.kfp_source import component_functions
 
 
@@ -33,7 +33,7 @@ def stage_models(plan: Dict[str, str]) -> Dict[str, str]:
     """Copy each base model to where the plan says tasks read it (models.staging_plan)."""
     import logging
 
-    from dynamicrubric.models import stage_models as run
+    from dynamicrubric.infra.models import stage_models as run
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return run(plan)

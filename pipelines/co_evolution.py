@@ -51,7 +51,7 @@ from kfp import dsl, kubernetes
 
 from dynamicrubric import store
 from dynamicrubric.components import stages
-from dynamicrubric.config import (
+from dynamicrubric.infra.config import (
     CACHE_MOUNT,
     S3_ENV,
     STAGE_FACTS,
@@ -65,7 +65,7 @@ from dynamicrubric.config import (
     policy_variant,
     round_seed,
 )
-from dynamicrubric.models import staging_plan
+from dynamicrubric.infra.models import staging_plan
 
 # The largest package `dynrubric compile` writes (bytes of YAML): a run's Argo Workflow object is its
 # spec and ~24 KB of node status a task, which Argo fits under its 1 MiB only compressed (~2.4 KB a

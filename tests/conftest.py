@@ -79,7 +79,7 @@ def tiny_run(tmp_path_factory):
 
     import yaml
 
-    from dynamicrubric.config import load_config
+    from dynamicrubric.infra.config import load_config
 
     workdir = tmp_path_factory.mktemp("tiny-run")
     config = workdir / "config.yaml"

@@ -32,7 +32,7 @@ SHOWN = re.compile(r"Response [A-Z]:\n(.*?)(?:\n\nResponse [A-Z]:|\Z)", re.S)
 def _tokenizer():
     from transformers import AutoTokenizer
 
-    from dynamicrubric.models import resolve_model
+    from dynamicrubric.infra.models import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model("tiny-random"))
 

@@ -49,9 +49,16 @@ from pathlib import Path
 
 from pod_limits import remove_group, v1_memory_group
 
-from dynamicrubric.config import STAGE_FACTS, Config, quantity_bytes
-from dynamicrubric.task_monitor import _executor_input
-from dynamicrubric.task_processes import TaskProcess, TaskStarter, Usage, _Fork, _run_executor, executor_call
+from dynamicrubric.infra.config import STAGE_FACTS, Config, quantity_bytes
+from dynamicrubric.localrun.task_monitor import _executor_input
+from dynamicrubric.localrun.task_processes import (
+    TaskProcess,
+    TaskStarter,
+    Usage,
+    _Fork,
+    _run_executor,
+    executor_call,
+)
 
 CGROUP_MEMORY = Path("/sys/fs/cgroup/memory")
 S3_MOUNT = Path("/s3")  # where kfp's Artifact.path puts an s3:// URI's file

@@ -10,13 +10,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dynamicrubric.aggregate import (
+from dynamicrubric.infra.artifacts import empty_table, read_artifact, write_artifact
+from dynamicrubric.scoring.aggregate import (
     AggregateError,
     aggregate,
     run_aggregate,
     score_responses,
 )
-from dynamicrubric.artifacts import empty_table, read_artifact, write_artifact
 
 
 def log_sigmoid(x: float) -> float:
@@ -156,7 +156,7 @@ def test_empty_rubric_scores_zero_and_is_counted(caplog):
             "items": [[{"text": "x", "weight": 1}, {"text": "y", "weight": 1}], []],
         }
     )
-    with caplog.at_level(logging.WARNING, logger="dynamicrubric.aggregate"):
+    with caplog.at_level(logging.WARNING, logger="dynamicrubric.scoring.aggregate"):
         result = aggregate(THREE, rollouts(a=3, b=2), rubrics)
     assert "1 of 2 rubrics are empty" in caplog.text
     assert scores_of(result, "b") == [0.0, 0.0]

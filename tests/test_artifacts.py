@@ -11,8 +11,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from dynamicrubric import artifacts
-from dynamicrubric.artifacts import ArtifactError, read_artifact, write_artifact
+from dynamicrubric.infra import artifacts
+from dynamicrubric.infra.artifacts import ArtifactError, read_artifact, write_artifact
 
 SAMPLES: dict[str, list[dict]] = {
     "prompts": [

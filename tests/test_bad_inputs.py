@@ -19,8 +19,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dynamicrubric import artifacts, cli, store
-from dynamicrubric.artifacts import write_artifact
+from dynamicrubric import cli, store
+from dynamicrubric.infra import artifacts
+from dynamicrubric.infra.artifacts import write_artifact
 
 # ---- good inputs: two arithmetic prompts, K=2 responses each, one rubric of two items per prompt
 
@@ -819,7 +820,7 @@ def test_a_folder_output_may_replace_an_earlier_output_of_its_kind(tmp_path):
     """What may be replaced, and what not: a folder this project published (its completion marker) for
     the same kind of output, an empty folder, a training run's steps folder; a published folder of
     another kind, or a marker that is not readable, is refused in one line."""
-    from dynamicrubric.plots import PLOT_NAMES
+    from dynamicrubric.evaluation.plots import PLOT_NAMES
     from dynamicrubric.stages.runner import preflight
 
     def published(name: str, files: list[str]) -> str:
@@ -948,7 +949,7 @@ def _tiny_copy(tmp_path: Path) -> Path:
     """A copy of the built-in tiny-random model's folder, to break."""
     import shutil
 
-    from dynamicrubric.models import prepare_model
+    from dynamicrubric.infra.models import prepare_model
 
     folder = tmp_path / "model"
     shutil.copytree(

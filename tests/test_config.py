@@ -3,8 +3,16 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from dynamicrubric.config import GIB, PRESETS, Config, ConfigError, config_from_yaml, disk_plan, load_config
-from dynamicrubric.config_sections import quantity_bytes
+from dynamicrubric.infra.config import (
+    GIB,
+    PRESETS,
+    Config,
+    ConfigError,
+    config_from_yaml,
+    disk_plan,
+    load_config,
+)
+from dynamicrubric.infra.config_sections import quantity_bytes
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -75,7 +83,7 @@ def test_flat_params_have_no_secrets():
 
 def test_every_stage_has_requests_and_unknown_stages_are_errors(tmp_path):
     from dynamicrubric.components.stages import STAGES
-    from dynamicrubric.config import STAGE_FACTS
+    from dynamicrubric.infra.config import STAGE_FACTS
 
     assert set(STAGE_FACTS) == {f.__name__ for f in STAGES}
     cfg = load_config(preset="paper")
@@ -88,7 +96,7 @@ def test_every_stage_has_requests_and_unknown_stages_are_errors(tmp_path):
 
 
 def test_tensor_parallelism_follows_the_task_gpus(monkeypatch):
-    from dynamicrubric.config import TENSOR_PARALLEL_ENV
+    from dynamicrubric.infra.config import TENSOR_PARALLEL_ENV
 
     cfg = load_config(preset="paper")
     monkeypatch.setenv(TENSOR_PARALLEL_ENV, "4")  # what the pipeline sets on a 4-GPU task's pod

@@ -6,12 +6,11 @@ import json
 
 import pytest
 
-from dynamicrubric import constrained
-from dynamicrubric.artifacts import read_frame, write_artifact
-from dynamicrubric.config import load_config
-from dynamicrubric.engines import HFEngine
-from dynamicrubric.prompts import parse_rubric
-from dynamicrubric.rubrics import TRUNCATED, run_rubrics
+from dynamicrubric.engines import HFEngine, constrained
+from dynamicrubric.infra.artifacts import read_frame, write_artifact
+from dynamicrubric.infra.config import load_config
+from dynamicrubric.scoring.prompts import parse_rubric
+from dynamicrubric.scoring.rubrics import TRUNCATED, run_rubrics
 
 QUESTIONS = ["What is 2+3?", "Name a colour.", "Write a rubric for a poem."]
 
@@ -79,7 +78,7 @@ def test_the_mask_is_exact_inside_an_item_text(engine: HFEngine) -> None:
 def test_the_mask_is_exact_for_smollm2() -> None:
     from transformers import AutoTokenizer
 
-    from dynamicrubric.models import resolve_model
+    from dynamicrubric.infra.models import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
     allowed, refused = _mask_admits_only_what_the_matcher_accepts(tokenizer, 49152, PREFIX)

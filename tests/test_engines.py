@@ -12,7 +12,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dynamicrubric.config import EngineConfig
 from dynamicrubric.engines import (
     NO_SPELLINGS,
     YES_SPELLINGS,
@@ -22,7 +21,8 @@ from dynamicrubric.engines import (
     VLLMEngine,
     load_engine,
 )
-from dynamicrubric.models import resolve_model
+from dynamicrubric.infra.config import EngineConfig
+from dynamicrubric.infra.models import resolve_model
 
 QUESTIONS = ["What is 2+3?", "Name a colour.", "Write a short poem about the sea, please, in four lines."]
 

@@ -12,10 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynamicrubric import store, tasks
-from dynamicrubric.artifacts import read_artifact, read_frame, write_artifact
-from dynamicrubric.config import load_config
-from dynamicrubric.evaluate import run_evaluate
-from dynamicrubric.evaluation_metrics import (
+from dynamicrubric.evaluation.evaluate import run_evaluate
+from dynamicrubric.evaluation.labelled import accuracy_by_origin, load_labelled, outcome_lists
+from dynamicrubric.evaluation.metrics import (
     evaluator_metrics,
     listwise_accuracy,
     mean_gap,
@@ -28,8 +27,9 @@ from dynamicrubric.evaluation_metrics import (
     uniformity_rate,
     win_rate,
 )
-from dynamicrubric.labelled import accuracy_by_origin, load_labelled, outcome_lists
-from dynamicrubric.plots import PLOT_NAMES, write_plots
+from dynamicrubric.evaluation.plots import PLOT_NAMES, write_plots
+from dynamicrubric.infra.artifacts import read_artifact, read_frame, write_artifact
+from dynamicrubric.infra.config import load_config
 
 D2, D3 = 1 / math.log2(3), 1 / math.log2(4)  # discounts of positions 2 and 3 (position 1: 1.0)
 
@@ -382,7 +382,7 @@ def test_run_evaluate_without_labelled_lists_is_a_counted_skip(tmp_path, caplog)
             "evaluate": {"samples": 2, "variants": ["pointwise", "static"]},
         },
     )
-    with caplog.at_level("WARNING", logger="dynamicrubric.evaluate"):
+    with caplog.at_level("WARNING", logger="dynamicrubric.evaluation.evaluate"):
         result = run_evaluate(
             str(tmp_path / "p.parquet"), str(tmp_path / "m.parquet"), str(tmp_path / "plots"), cfg
         )
@@ -413,8 +413,8 @@ def test_run_evaluate_holds_one_engine_at_a_time(tmp_path, monkeypatch):
     loads (at paper scale two vLLM engines cannot share a GPU)."""
     import shutil
 
-    from dynamicrubric import evaluate
-    from dynamicrubric.models import resolve_model
+    from dynamicrubric.evaluation import evaluate
+    from dynamicrubric.infra.models import resolve_model
 
     refs = {}
     for role in ("previous", "generator"):

@@ -17,8 +17,8 @@ import torch
 from test_train import _cfg, _prompts, kill_after_checkpoint
 
 from dynamicrubric import store
-from dynamicrubric.artifacts import read_frame
-from dynamicrubric.models import resolve_model
+from dynamicrubric.infra.artifacts import read_frame
+from dynamicrubric.infra.models import resolve_model
 from dynamicrubric.training import launcher
 from dynamicrubric.training.data import TrainingJob
 from dynamicrubric.training.fsdp_hook import FSDP_TEST_ENV

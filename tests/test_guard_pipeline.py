@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from dynamicrubric import tracking
-from dynamicrubric.config import load_config
 from dynamicrubric.engines import TEST_ENGINES_ENV
-from dynamicrubric.models import resolve_model
+from dynamicrubric.infra import tracking
+from dynamicrubric.infra.config import load_config
+from dynamicrubric.infra.models import resolve_model
 
 PLANTED = Path(__file__).with_name("planted_engines.py")
 
@@ -82,7 +82,7 @@ def _stage_runs(cfg, parent: str) -> dict[tuple[int, str], object]:
 def test_a_hacked_round_is_rolled_back_and_the_next_round_starts_from_the_last_healthy_one(
     tmp_path, monkeypatch
 ):
-    from dynamicrubric.launch import run_local
+    from dynamicrubric.localrun.launch import run_local
 
     cfg = _scenario(tmp_path, monkeypatch, hacked_from=2, action="rollback")
     cfg = cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(update={"rounds": 3})})
@@ -124,7 +124,7 @@ def test_a_hacked_round_is_rolled_back_and_the_next_round_starts_from_the_last_h
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_a_stop_action_runs_no_round_after_a_fired_guard(tmp_path, monkeypatch):
-    from dynamicrubric.launch import run_local
+    from dynamicrubric.localrun.launch import run_local
 
     cfg = _scenario(tmp_path, monkeypatch, hacked_from=1, action="stop")
     result = run_local(cfg)

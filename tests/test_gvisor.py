@@ -15,7 +15,7 @@ import pytest
 import yaml
 from test_manifests import MANIFESTS, kustomize, schema_errors
 
-from dynamicrubric.config import STAGE_FACTS, load_config
+from dynamicrubric.infra.config import STAGE_FACTS, load_config
 from dynamicrubric.pipelines.co_evolution import (
     RUNS_CODE_LABEL,
     compile_pipeline,

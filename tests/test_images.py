@@ -438,7 +438,7 @@ def test_project_wheel_builds_from_the_build_context(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     (wheel,) = out.glob("dynamicrubric-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert "dynamicrubric/config.py" in names
+    assert "dynamicrubric/infra/config.py" in names
     assert "dynamicrubric/components/__init__.py" in names
     assert "dynamicrubric/pipelines/__init__.py" in names
     assert any(n.startswith("dynamicrubric/presets/") and n.endswith(".yaml") for n in names)

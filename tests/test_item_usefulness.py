@@ -15,14 +15,14 @@ import pyarrow.parquet as pq
 import pytest
 from test_bad_inputs import run_cli
 
-from dynamicrubric.artifacts import ArtifactError, read_artifact, read_frame, to_table, write_artifact
-from dynamicrubric.config import load_config
-from dynamicrubric.item_usefulness import (
+from dynamicrubric.evaluation.item_usefulness import (
     ItemUsefulnessError,
     item_usefulness,
     normalise_text,
     summarise,
 )
+from dynamicrubric.infra.artifacts import ArtifactError, read_artifact, read_frame, to_table, write_artifact
+from dynamicrubric.infra.config import load_config
 from dynamicrubric.stages.runner import execute, start_tracking
 from dynamicrubric.stages.spec import Data, Stage
 

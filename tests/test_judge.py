@@ -8,12 +8,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dynamicrubric.aggregate import AggregateError, aggregate
-from dynamicrubric.artifacts import read_frame, write_artifact
-from dynamicrubric.config import load_config
 from dynamicrubric.engines import HFEngine
-from dynamicrubric.judge import iter_judge_requests, judge_table, run_judge
-from dynamicrubric.prompts import JUDGE_ITEM_QUESTION, judge_context, split_chat_prompt
+from dynamicrubric.infra.artifacts import read_frame, write_artifact
+from dynamicrubric.infra.config import load_config
+from dynamicrubric.scoring.aggregate import AggregateError, aggregate
+from dynamicrubric.scoring.judge import iter_judge_requests, judge_table, run_judge
+from dynamicrubric.scoring.prompts import JUDGE_ITEM_QUESTION, judge_context, split_chat_prompt
 
 ITEMS = [{"text": "The answer is a digit", "weight": 5}, {"text": "It is short", "weight": 2}]
 
@@ -98,7 +98,7 @@ def test_chunk_size_does_not_change_the_judgments(engine: HFEngine) -> None:
 def test_unscored_verdicts_are_counted_and_refused_by_aggregation(tmp_path, engine: HFEngine) -> None:
     from transformers import AutoModelForCausalLM
 
-    from dynamicrubric.models import resolve_model
+    from dynamicrubric.infra.models import resolve_model
 
     cfg = load_config(preset="tiny")
     write_artifact(str(tmp_path / "r.parquet"), "rollouts", _rollouts())

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamicrubric import tracking
+from dynamicrubric.infra import tracking
 from dynamicrubric.stages.declarations import STAGES
 
 BOOKKEEPING = {
@@ -154,8 +154,8 @@ def test_every_round_has_its_guard_verdict_items_and_metrics(tiny_run, walked, m
     """The signal guard's outputs of each round's evaluate: the guard and item_usefulness artifacts
     (validated on read), its numbers as MLflow metrics, its verdict as the run's tag, and the round
     table's guard columns."""
-    from dynamicrubric.artifacts import read_frame
-    from dynamicrubric.round_table import round_table
+    from dynamicrubric.infra.artifacts import read_frame
+    from dynamicrubric.localrun.round_table import round_table
 
     client, runs = walked
     monkeypatch.chdir(tiny_run["workdir"])  # the tiny preset's sqlite:///mlflow.db is relative
@@ -252,7 +252,7 @@ def test_the_parent_and_round_runs_span_their_tasks(tiny_run, walked, monkeypatc
 def test_a_killed_attempts_run_is_marked_failed(tmp_path, monkeypatch):
     """A task killed while it logged leaves its run RUNNING; the retried task's run marks it FAILED,
     so only the retry's run reads as the task's result."""
-    from dynamicrubric.config import load_config
+    from dynamicrubric.infra.config import load_config
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config(
@@ -299,7 +299,7 @@ def test_parallel_first_tasks_leave_one_round_run_from_the_earliest_start(tmp_pa
     """Two first tasks of a round that each created its round run (they looked at the same time): the
     next look keeps the one that started earliest, moves the other's stage runs under it, deletes
     it, and the kept run ends with the last stage run."""
-    from dynamicrubric.config import load_config
+    from dynamicrubric.infra.config import load_config
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config(

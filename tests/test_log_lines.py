@@ -7,8 +7,8 @@ import re
 import subprocess
 import sys
 
+from dynamicrubric.localrun.task_monitor import PROGRESS_LINE
 from dynamicrubric.pipelines.co_evolution import task_count
-from dynamicrubric.task_monitor import PROGRESS_LINE
 
 TASK_LINE = re.compile(r"^\d\d:\d\d:\d\d done   (setup|r\d+) .+ +\d+\.\ds\b")
 # the round table (a line per round) and the guard's block (the same), their legend and where things are
@@ -121,8 +121,8 @@ def test_a_failing_task_shows_its_error(tmp_path):
 def test_fresh_takes_a_new_run_name():
     """--fresh: every task's cache key includes the run name, so a new name reuses nothing."""
     from dynamicrubric.cli import build_parser
-    from dynamicrubric.config import load_config
-    from dynamicrubric.launch import fresh_run_name
+    from dynamicrubric.infra.config import load_config
+    from dynamicrubric.localrun.launch import fresh_run_name
     from dynamicrubric.pipelines.co_evolution import default_run_name
 
     cfg = load_config(preset="tiny")
@@ -140,7 +140,7 @@ def test_a_task_process_exits_without_the_last_full_collection():
             "import atexit, gc, sys\n"
             f"if {module!r}:\n    sys.modules[{module!r}] = type(sys)({module!r})\n"
             "atexit.register(lambda: print(gc.get_freeze_count() > 0))\n"
-            "from dynamicrubric import logs\n"
+            "from dynamicrubric.infra import logs\n"
             "logs.skip_the_exit_collection()\n"
             "logs.skip_the_exit_collection()\n"
         )

@@ -195,7 +195,7 @@ def test_secrets_come_from_the_env_files(rendered: dict, overlay: str) -> None:
 
 
 def test_pipeline_secret_name_matches_config(rendered: dict) -> None:
-    from dynamicrubric.config import PipelineConfig
+    from dynamicrubric.infra.config import PipelineConfig
 
     assert PipelineConfig().s3_secret in by_kind(rendered["dev"], "Secret")
 
@@ -444,7 +444,7 @@ def _gibibytes(quantity: str) -> float:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_store_holds_a_run_of_the_presets_it_is_sized_for(rendered: dict, overlay: str) -> None:
-    from dynamicrubric.config import PRESETS
+    from dynamicrubric.infra.config import PRESETS
 
     sts = by_kind(rendered[overlay], "StatefulSet")["seaweedfs"]
     presets = sts["metadata"]["annotations"]["dynamicrubric.io/sized-for"].split(",")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants as hf_constants
 
-from dynamicrubric.models import (
+from dynamicrubric.infra.models import (
     BUILTIN_MODELS,
     ModelError,
     build_tiny_random,
@@ -64,7 +64,7 @@ def test_tiny_random_is_a_chatml_llama() -> None:
 def test_concurrent_prepares_agree(tmp_path: Path) -> None:
     """Two processes preparing the same model into an empty cache: both succeed, one folder results."""
     env = {**os.environ, "DYNRUBRIC_CACHE": str(tmp_path)}
-    code = "from dynamicrubric.models import prepare_model; print(prepare_model('tiny-random'))"
+    code = "from dynamicrubric.infra.models import prepare_model; print(prepare_model('tiny-random'))"
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

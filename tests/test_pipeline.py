@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dynamicrubric import store, tracking
-from dynamicrubric.config import load_config
+from dynamicrubric import store
+from dynamicrubric.infra import tracking
+from dynamicrubric.infra.config import load_config
+from dynamicrubric.localrun.round_table import round_table
 from dynamicrubric.pipelines.co_evolution import default_run_name
-from dynamicrubric.round_table import round_table
 
 
 def _stage_runs(client, experiment_id: str) -> list:
@@ -209,7 +210,7 @@ def test_early_stop_skips_later_rounds(tmp_path, monkeypatch, rounds_per_run):
     tie rate in MLflow): round 2's run is never started."""
     import mlflow
 
-    from dynamicrubric.launch import run_local
+    from dynamicrubric.localrun.launch import run_local
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config(

@@ -12,8 +12,10 @@ import pytest
 from pod_components import folder_pipeline
 from pod_launcher import S3_MOUNT, PodLauncher, pod_isolation_problem, stage_cache, stage_memory
 
-from dynamicrubric import launch, store, task_monitor, tracking
-from dynamicrubric.config import load_config
+from dynamicrubric import store
+from dynamicrubric.infra import tracking
+from dynamicrubric.infra.config import load_config
+from dynamicrubric.localrun import launch, task_monitor
 
 pytestmark = pytest.mark.skipif(pod_isolation_problem() is not None, reason=str(pod_isolation_problem()))
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynamicrubric.prompts import (
+from dynamicrubric.scoring.prompts import (
     dynamic_rubric_prompt,
     parse_rubric,
     response_order,

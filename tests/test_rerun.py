@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from dynamicrubric import tracking
-from dynamicrubric.artifacts import read_frame, write_artifact
-from dynamicrubric.config import load_config
-from dynamicrubric.models import prepare_model
-from dynamicrubric.rollout import run_rollout
+from dynamicrubric.infra import tracking
+from dynamicrubric.infra.artifacts import read_frame, write_artifact
+from dynamicrubric.infra.config import load_config
+from dynamicrubric.infra.models import prepare_model
+from dynamicrubric.scoring.rollout import run_rollout
 from dynamicrubric.stages.declarations import STAGES
 from dynamicrubric.stages.rerun import inputs_by_name
 

@@ -10,11 +10,12 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from dynamicrubric import sandbox, store
-from dynamicrubric.aggregate import AggregateError
-from dynamicrubric.artifacts import read_frame
-from dynamicrubric.config import load_config
+from dynamicrubric import store
 from dynamicrubric.engines import load_engine
+from dynamicrubric.infra import sandbox
+from dynamicrubric.infra.artifacts import read_frame
+from dynamicrubric.infra.config import load_config
+from dynamicrubric.scoring.aggregate import AggregateError
 from dynamicrubric.tasks import load_prompts
 from dynamicrubric.training.generator_rewards import GeneratorRewards
 from dynamicrubric.training.monitoring import metric_rows
@@ -218,9 +219,9 @@ def test_the_verifier_judges_only_the_kept_items_and_its_calls_halve(tmp_path):
     """V (tiny-random, its questions counted as it answers them) is asked half as many questions at
     item_dropout 0.5, the same kept items for every response of a group; the score is Σ w·v / Σ w over
     the kept items with their weights as written, and the artifacts validate and aggregate again."""
-    from dynamicrubric.aggregate import aggregate
-    from dynamicrubric.artifacts import ArtifactError, write_artifact
-    from dynamicrubric.judge import judge_rollouts
+    from dynamicrubric.infra.artifacts import ArtifactError, write_artifact
+    from dynamicrubric.scoring.aggregate import aggregate
+    from dynamicrubric.scoring.judge import judge_rollouts
 
     cfg = load_config(preset="tiny")
     engine = load_engine("tiny-random", cfg.engine)
@@ -271,7 +272,7 @@ def test_the_policy_reward_judges_a_seeded_subset_and_scores_the_same_on_a_rerun
     rubrics keep every item and name the judged ones; the judgments hold exactly those, for every
     response; V's questions and the step's judgments fall to the kept items (its metrics say how many);
     each rubric sample read its own order; a fresh reward function scores the step identically."""
-    from dynamicrubric.aggregate import run_aggregate
+    from dynamicrubric.scoring.aggregate import run_aggregate
 
     cfg = load_config(
         preset="tiny", overrides={"judge": {"item_dropout": 0.5}, "rubrics": {"samples": 2}, "seed": 3}

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from dynamicrubric.config import load_config
 from dynamicrubric.engines import load_engine
-from dynamicrubric.prompts import dynamic_rubric_prompt, response_order
-from dynamicrubric.rubrics import generate_rubrics, generator_messages, rubric_requests
+from dynamicrubric.infra.config import load_config
+from dynamicrubric.scoring.prompts import dynamic_rubric_prompt, response_order
+from dynamicrubric.scoring.rubrics import generate_rubrics, generator_messages, rubric_requests
 from dynamicrubric.training.data import evaluator_dataset
 
 K = 5
@@ -128,6 +128,6 @@ def test_the_generators_trainer_keeps_one_prompt_per_candidate_set(rollouts):
 
 
 def _evaluator_seed(cfg) -> int:
-    from dynamicrubric.config import SeedPurpose, round_seed
+    from dynamicrubric.infra.config import SeedPurpose, round_seed
 
     return round_seed(cfg, 1, SeedPurpose.EVALUATOR_RUBRICS)

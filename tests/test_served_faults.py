@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import pytest
 from vllm_standin import serving
 
-from dynamicrubric.artifacts import read_frame
 from dynamicrubric.cli import describe_error
-from dynamicrubric.config import load_config
 from dynamicrubric.engines import ServedError, ServerEngine
-from dynamicrubric.models import resolve_model
+from dynamicrubric.infra.artifacts import read_frame
+from dynamicrubric.infra.config import load_config
+from dynamicrubric.infra.models import resolve_model
 from dynamicrubric.training.generator_rewards import GeneratorRewards
 from dynamicrubric.training.launcher import launch_error
 from dynamicrubric.training.policy_reward import PolicyReward
@@ -441,7 +441,7 @@ import json, os, sys, time
 from datetime import timedelta
 from types import SimpleNamespace
 from accelerate import PartialState
-from dynamicrubric.config import config_from_yaml
+from dynamicrubric.infra.config import config_from_yaml
 from dynamicrubric.training import cpu_waits
 from dynamicrubric.training.policy_reward import PolicyReward
 state = PartialState(cpu=True)
@@ -517,7 +517,7 @@ def _on_two_nodes(tmp_path, calls: list[tuple[str, str]]) -> list[dict]:
     import os
     import subprocess
 
-    from dynamicrubric.serving import free_port
+    from dynamicrubric.infra.serving import free_port
     from dynamicrubric.training.launcher import Rendezvous, launch_command
 
     script, spec = tmp_path / "node.py", tmp_path / "spec.json"
@@ -627,7 +627,7 @@ def test_on_two_nodes_the_budget_is_the_whole_step_s_and_a_node_s_failure_ends_i
     the one-node values. Step 2, budget 0.25: both processes end with the same line naming node 1's
     server and record. Step 3: nothing listens on node 1's URL; both processes end at once with one line
     naming node 1 and that URL, node 0's not waiting out the CPU group's timeout (120 s)."""
-    from dynamicrubric.serving import free_port
+    from dynamicrubric.infra.serving import free_port
 
     clean, _ = _one_node(server, tmp_path / "one-node", "pointwise")
     server.reset()

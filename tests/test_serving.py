@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from dynamicrubric.config import ConfigError, load_config
-from dynamicrubric.serving import ServerError, VLLMServer, free_port, reward_gpu_split, reward_servers
+from dynamicrubric.infra.config import ConfigError, load_config
+from dynamicrubric.infra.serving import ServerError, VLLMServer, free_port, reward_gpu_split, reward_servers
 
 STAND_IN = """
 import argparse, http.server, os, sys, time
@@ -134,7 +134,7 @@ def test_a_server_whose_port_another_process_takes_first_starts_again_on_another
     try:
         assert holder.stdout.readline().strip() == "bound"
         ports = iter([taken])  # the race, made certain: the first port chosen is the one just taken
-        monkeypatch.setattr("dynamicrubric.serving.free_port", lambda: next(ports, None) or free_port())
+        monkeypatch.setattr("dynamicrubric.infra.serving.free_port", lambda: next(ports, None) or free_port())
         with reward_servers(_cfg(tmp_path), "train_evaluator", {"verifier": "/m"}, {}, tmp_path) as urls:
             assert urls["verifier"] != f"http://127.0.0.1:{taken}"
             assert httpx.get(f"{urls['verifier']}/health", timeout=5).status_code == 200

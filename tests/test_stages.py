@@ -6,11 +6,11 @@ import pandas as pd
 import pytest
 
 from dynamicrubric import cli
-from dynamicrubric.artifacts import read_artifact, read_frame, write_artifact
-from dynamicrubric.config import load_config
 from dynamicrubric.engines import load_engine
-from dynamicrubric.judge import run_judge
-from dynamicrubric.rubrics import run_rubrics
+from dynamicrubric.infra.artifacts import read_artifact, read_frame, write_artifact
+from dynamicrubric.infra.config import load_config
+from dynamicrubric.scoring.judge import run_judge
+from dynamicrubric.scoring.rubrics import run_rubrics
 
 PROMPTS = [
     {

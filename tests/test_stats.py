@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from dynamicrubric.stats import wilson_interval
+from dynamicrubric.evaluation.stats import wilson_interval
 
 
 def test_wilson_matches_published_values():

@@ -244,8 +244,8 @@ def test_default_retry_budget_is_at_least_a_minute(monkeypatch):
 def test_stage_survives_a_store_restart_during_its_write(tmp_path, monkeypatch):
     """The server is killed as the stage starts writing its outputs and comes back 3 s later, on the same
     ports and data: the write waits it out within the retry budget and the stage finishes."""
-    from dynamicrubric.artifacts import read_frame
-    from dynamicrubric.config import load_config
+    from dynamicrubric.infra.artifacts import read_frame
+    from dynamicrubric.infra.config import load_config
     from dynamicrubric.stages.runner import run_stage
 
     server = SeaweedS3(tmp_path / "weed").start()
@@ -423,7 +423,7 @@ def test_two_folder_writers_never_mix(where, tmp_path, request, monkeypatch):
 def test_a_path_opening_reader_of_a_local_rewrite_sees_one_folder(tmp_path):
     """A model loader opens file after file by path (`from_pretrained`); while two writers keep swapping
     their folders in, the folder `resolve_model` hands it always holds one writer's files."""
-    from dynamicrubric.models import resolve_model
+    from dynamicrubric.infra.models import resolve_model
 
     dest = tmp_path / "ckpt"
     sources = {w: _folder(tmp_path / f"src-{w}", w, names) for w, names in FOLDERS.items()}
@@ -582,7 +582,7 @@ def _files(folder: Path) -> dict[str, bytes]:
 
 
 def test_a_local_folder_uploaded_flat_by_the_launcher_reads_by_its_s3_uri(s3_env, seaweed, tmp_path):
-    from dynamicrubric.models import resolve_model
+    from dynamicrubric.infra.models import resolve_model
 
     local = tmp_path / "pod" / "s3" / s3_env / "run" / "task" / "out"
     store.upload_dir(_model_folder(tmp_path / "trained"), str(local))  # the task writes its output path

@@ -10,8 +10,8 @@ import pytest
 
 from bench import study
 from dynamicrubric import tasks
-from dynamicrubric.artifacts import write_artifact
-from dynamicrubric.config import preset_dict
+from dynamicrubric.infra.artifacts import write_artifact
+from dynamicrubric.infra.config import preset_dict
 from dynamicrubric.pipelines.co_evolution import pipeline_variant
 
 

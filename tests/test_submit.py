@@ -24,8 +24,9 @@ import yaml
 from google.protobuf import json_format
 from kfp_standin import KfpStandIn, ParsedPipeline, parse_package
 
-from dynamicrubric import cli, tracking
-from dynamicrubric.config import STAGE_FACTS, TENSOR_PARALLEL_ENV, config_from_yaml, load_config
+from dynamicrubric import cli
+from dynamicrubric.infra import tracking
+from dynamicrubric.infra.config import STAGE_FACTS, TENSOR_PARALLEL_ENV, config_from_yaml, load_config
 from dynamicrubric.pipelines.co_evolution import CACHE_MOUNT, MAX_PACKAGE_BYTES, S3_ENV, task_count
 
 REPO = Path(__file__).resolve().parents[1]

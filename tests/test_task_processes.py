@@ -11,8 +11,8 @@ import sys
 from kfp import dsl
 from kfp.local.subprocess_task_handler import replace_python_executable
 
-from dynamicrubric.task_monitor import TaskMonitor
-from dynamicrubric.task_processes import TaskStarter, executor_call
+from dynamicrubric.localrun.task_monitor import TaskMonitor
+from dynamicrubric.localrun.task_processes import TaskStarter, executor_call
 
 
 # No `from __future__ import annotations` here: KFP reads the component's annotations as types.

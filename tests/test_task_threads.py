@@ -8,7 +8,7 @@ import io
 import json
 import sys
 
-from dynamicrubric.task_monitor import TaskMonitor, task_entry, task_threads
+from dynamicrubric.localrun.task_monitor import TaskMonitor, task_entry, task_threads
 
 SHARD_TASK = {"shard": 0}
 ALONE_TASK = {"shard": None}  # training, evaluate, aggregate: outside any shard loop
@@ -74,8 +74,8 @@ def test_cpu_time_and_peak_memory_cover_the_processes_a_task_waits_for(tmp_path)
 
 
 def test_the_legend_says_how_to_read_a_135m_run():
-    from dynamicrubric.config import load_config
-    from dynamicrubric.round_table import format_legend
+    from dynamicrubric.infra.config import load_config
+    from dynamicrubric.localrun.round_table import format_legend
 
     rows = [{"mean_gap": 0.01, "tie_rate": 0.5}]
     local = format_legend(rows, load_config(preset="local"))

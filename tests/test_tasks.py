@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dynamicrubric.artifacts import read_frame, to_table, write_artifact
-from dynamicrubric.config import DataConfig
+from dynamicrubric.infra.artifacts import read_frame, to_table, write_artifact
+from dynamicrubric.infra.config import DataConfig
 from dynamicrubric.tasks import (
     TaskError,
     anchors_from_outcomes,
@@ -323,7 +323,7 @@ def test_a_broken_sandbox_leaves_code_unscored_not_wrong(arith, humaneval_eval, 
     """A sandbox that cannot start (here: its interpreter is missing) is the machine's fault: the
     canonical solution gets NaN, not 0, its list leaves it out, and the verifiable reward's judgment
     carries NaN, which sets the group aside (no reward) instead of teaching that correct code fails."""
-    from dynamicrubric import sandbox
+    from dynamicrubric.infra import sandbox
     from dynamicrubric.training.reward_common import checker_judgments as _checker_judgments
 
     monkeypatch.setattr(sandbox, "_base_python", lambda: "/nonexistent/python3")

@@ -15,9 +15,10 @@ import pytest
 from mlflow import MlflowClient
 from mlflow_server import MLFLOW_BUCKET
 
-from dynamicrubric import store, tracking
-from dynamicrubric.artifacts import write_artifact
-from dynamicrubric.config import load_config
+from dynamicrubric import store
+from dynamicrubric.infra import tracking
+from dynamicrubric.infra.artifacts import write_artifact
+from dynamicrubric.infra.config import load_config
 
 PROMPTS = [
     {

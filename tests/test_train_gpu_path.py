@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 from test_train import _cfg, _prompts, _train_policy, kill_after_checkpoint
 
 from dynamicrubric import store
-from dynamicrubric.artifacts import read_frame
-from dynamicrubric.models import cache_dir, resolve_model
+from dynamicrubric.infra.artifacts import read_frame
+from dynamicrubric.infra.models import cache_dir, resolve_model
 from dynamicrubric.training import checkpoints, launcher, monitoring
 from dynamicrubric.training.data import TrainingJob
 
@@ -44,7 +44,7 @@ def test_launch_command_has_cpu_only_without_cuda(monkeypatch: pytest.MonkeyPatc
 def test_cpu_training_processes_return_their_large_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CPU the trainers get a fixed mmap threshold (the default run's peak memory, see
     CPU_MMAP_THRESHOLD); a user's own setting and the config's thread count are kept; not on a GPU."""
-    from dynamicrubric.config import load_config
+    from dynamicrubric.infra.config import load_config
 
     tcfg = load_config(preset="tiny").train_policy  # torch_threads: 1
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -75,7 +75,7 @@ _RESOLVE_SCRIPT = """
 import sys, time
 from pathlib import Path
 from dynamicrubric import store
-from dynamicrubric.models import resolve_model
+from dynamicrubric.infra.models import resolve_model
 
 real = store.download_dir
 def counted(uri, local, **kwargs):

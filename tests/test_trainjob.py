@@ -28,11 +28,12 @@ from kubeflow_trainer_api import models as k8s
 from safetensors.torch import load_file
 from test_train import _cfg
 
-from dynamicrubric import store, tasks, tracking
-from dynamicrubric.artifacts import write_artifact
-from dynamicrubric.config import S3_ENV, load_config
-from dynamicrubric.models import prepare_model
-from dynamicrubric.serving import free_port
+from dynamicrubric import store, tasks
+from dynamicrubric.infra import tracking
+from dynamicrubric.infra.artifacts import write_artifact
+from dynamicrubric.infra.config import S3_ENV, load_config
+from dynamicrubric.infra.models import prepare_model
+from dynamicrubric.infra.serving import free_port
 from dynamicrubric.training import launcher
 from dynamicrubric.training.checkpoints import STALL_ENV
 from dynamicrubric.training.data import TrainingJob
@@ -487,11 +488,11 @@ def test_a_killed_task_s_retry_follows_its_trainjob_and_a_cancelled_task_deletes
     cluster.node_env[STALL_ENV] = "1"
     script = (
         "import sys; from pathlib import Path\n"
-        "from dynamicrubric.config import config_from_yaml\n"
+        "from dynamicrubric.infra.config import config_from_yaml\n"
         "from dynamicrubric.training.data import TrainingJob\n"
         "from dynamicrubric.training import on_nodes\n"
         "on_nodes.POLL_S = 0.5\n"
-        "import json; from dynamicrubric import tracking; tracking.POD_PREFIXES = json.loads(sys.argv[3])\n"
+        "import json; from dynamicrubric.infra import tracking; tracking.POD_PREFIXES = json.loads(sys.argv[3])\n"
         "on_nodes.train_on_nodes(config_from_yaml(Path(sys.argv[1]).read_text()), "
         "TrainingJob.from_json(Path(sys.argv[2]).read_text()))\n"
     )

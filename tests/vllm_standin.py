@@ -107,7 +107,7 @@ class VLLMStandIn(FaultyServer):
         }
 
     def _samples(self, ids: list[int], body: dict) -> list[dict]:
-        from dynamicrubric.constrained import rubric_grammar
+        from dynamicrubric.engines.constrained import rubric_grammar
 
         grammar = (body.get("structured_outputs") or {}).get("grammar")
         items = None

@@ -37,7 +37,7 @@ def bos_model(tmp_path_factory) -> Path:
     from tokenizers.processors import TemplateProcessing
     from transformers import AutoTokenizer
 
-    from dynamicrubric.models import resolve_model
+    from dynamicrubric.infra.models import resolve_model
 
     src = resolve_model("tiny-random")
     dst = tmp_path_factory.mktemp("tiny-bos") / "model"

@@ -30,12 +30,12 @@ from typing import Any
 
 import pytest
 
-from dynamicrubric.artifacts import read_frame
-from dynamicrubric.config import Config, load_config
 from dynamicrubric.engines.base import answer_token_ids
 from dynamicrubric.engines.server_engine import FAILED, OUTCOMES, counts_text
-from dynamicrubric.models import resolve_model
-from dynamicrubric.serving import VLLMServer
+from dynamicrubric.infra.artifacts import read_frame
+from dynamicrubric.infra.config import Config, load_config
+from dynamicrubric.infra.models import resolve_model
+from dynamicrubric.infra.serving import VLLMServer
 from dynamicrubric.training.generator_rewards import GeneratorRewards
 from dynamicrubric.training.policy_reward import PolicyReward
 from dynamicrubric.training.reward_common import RewardError, engine_cache

@@ -22,13 +22,13 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from dynamicrubric.aggregate import run_aggregate
-from dynamicrubric.artifacts import read_frame
-from dynamicrubric.config import load_config
 from dynamicrubric.engines import HFEngine
-from dynamicrubric.judge import run_judge
-from dynamicrubric.models import resolve_model
-from dynamicrubric.serving import VLLMServer, reward_servers
+from dynamicrubric.infra.artifacts import read_frame
+from dynamicrubric.infra.config import load_config
+from dynamicrubric.infra.models import resolve_model
+from dynamicrubric.infra.serving import VLLMServer, reward_servers
+from dynamicrubric.scoring.aggregate import run_aggregate
+from dynamicrubric.scoring.judge import run_judge
 from dynamicrubric.training.generator_rewards import GeneratorRewards
 from dynamicrubric.training.policy_reward import PolicyReward
 from dynamicrubric.training.reward_common import RewardError

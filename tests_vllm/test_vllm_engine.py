@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from dynamicrubric.constrained import MAX_ITEM_CHARS, MIN_ITEM_CHARS, rubric_schema
 from dynamicrubric.engines import HFEngine, VLLMEngine
-from dynamicrubric.prompts import parse_rubric
+from dynamicrubric.engines.constrained import MAX_ITEM_CHARS, MIN_ITEM_CHARS, rubric_schema
+from dynamicrubric.scoring.prompts import parse_rubric
 
 QUESTIONS = ["What is 2+3?", "Name a colour.", "Write a short poem about the sea, please, in four lines."]
 GREEDY_TOKENS = 16

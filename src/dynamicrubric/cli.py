@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from dynamicrubric import logs
-from dynamicrubric.artifacts import KIND_KEY, ArtifactError
-from dynamicrubric.config import ConfigError
-from dynamicrubric.launch import LaunchError
+from dynamicrubric.infra import logs
+from dynamicrubric.infra.artifacts import KIND_KEY, ArtifactError
+from dynamicrubric.infra.config import ConfigError
+from dynamicrubric.localrun.launch import LaunchError
 from dynamicrubric.stages.rerun import RerunError
 from dynamicrubric.store import StoreError
 
@@ -42,7 +42,7 @@ def describe_error(err: BaseException) -> str:
     """One line for the user. Bad-input errors say what is wrong themselves; anything else is named by
     its type, since it is a bug to report rather than an input to fix."""
     from dynamicrubric.engines import EngineError, ServedError
-    from dynamicrubric.models import ModelError
+    from dynamicrubric.infra.models import ModelError
 
     if isinstance(err, ServedError):  # names a server, its counts and its record's place: all of it
         return one_line(err, limit=MAX_SERVED_ERROR_CHARS)
@@ -52,7 +52,7 @@ def describe_error(err: BaseException) -> str:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from dynamicrubric.artifacts import read_artifact
+    from dynamicrubric.infra.artifacts import read_artifact
 
     failed = 0
     for uri in args.uris:
@@ -70,7 +70,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace):
-    from dynamicrubric.config import load_config
+    from dynamicrubric.infra.config import load_config
 
     return load_config(args.config, preset=args.preset)
 
@@ -86,7 +86,7 @@ def _print_counts(stage: str, counts: dict) -> int:
 
 
 def cmd_model_prepare(args: argparse.Namespace) -> int:
-    from dynamicrubric.models import prepare_model
+    from dynamicrubric.infra.models import prepare_model
 
     print(prepare_model(args.name))
     return 0
@@ -179,9 +179,9 @@ def _tracking_uri(args: argparse.Namespace) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from dynamicrubric.launch import run_local
+    from dynamicrubric.localrun.launch import run_local
+    from dynamicrubric.localrun.round_table import report
     from dynamicrubric.pipelines.co_evolution import segments, task_count
-    from dynamicrubric.round_table import report
 
     cfg = _config_with_rounds(args)
     chain = segments(cfg)
@@ -196,7 +196,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     result = run_local(cfg, verbose=args.verbose, fresh=args.fresh)
     page = ""
     if result.parent_run_id and result.run_dirs:
-        from dynamicrubric.run_page import PAGE_NAME, write_page
+        from dynamicrubric.localrun.run_page import PAGE_NAME, write_page
 
         started = time.perf_counter()
         page = str(write_page(cfg, result.parent_run_id, Path(result.run_dirs[0]) / PAGE_NAME))
@@ -210,9 +210,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from dynamicrubric import tracking
-    from dynamicrubric.config import config_from_yaml
-    from dynamicrubric.run_page import write_page
+    from dynamicrubric.infra import tracking
+    from dynamicrubric.infra.config import config_from_yaml
+    from dynamicrubric.localrun.run_page import write_page
     from dynamicrubric.stages.rerun import pipeline_config
 
     uri = _tracking_uri(args)
@@ -233,7 +233,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_items_export(args: argparse.Namespace) -> int:
     """The useful items (all with --all) of one round of a pipeline run, from its evaluate's `items`."""
-    from dynamicrubric.item_usefulness import export_format, export_items, find_items_artifact
+    from dynamicrubric.evaluation.item_usefulness import export_format, export_items, find_items_artifact
     from dynamicrubric.stages.rerun import check_existing_store
     from dynamicrubric.stages.runner import preflight
 
@@ -275,7 +275,7 @@ def _mlflow_env(uri: str):
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from dynamicrubric.launch import compile_to
+    from dynamicrubric.localrun.launch import compile_to
 
     for path in compile_to(_config_with_rounds(args), args.out):
         print(path)
@@ -286,7 +286,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     import functools
     import tempfile
 
-    from dynamicrubric.launch import submit
+    from dynamicrubric.localrun.launch import submit
 
     cfg = _config_with_rounds(args)
     with tempfile.TemporaryDirectory() as tmp:
@@ -304,7 +304,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def _config_with_rounds(args: argparse.Namespace):
-    from dynamicrubric.config import load_config
+    from dynamicrubric.infra.config import load_config
 
     rounds = getattr(args, "rounds", None)
     if rounds is not None and rounds < 1:  # checked by value: 0 is falsy and meant the config's rounds
@@ -455,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logs.setup(args.verbose)
     logs.skip_the_exit_collection()
-    from dynamicrubric.stopping import Stopped, raise_on_stop_signals
+    from dynamicrubric.infra.stopping import Stopped, raise_on_stop_signals
 
     raise_on_stop_signals()
     try:

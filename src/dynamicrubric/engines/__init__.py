@@ -27,7 +27,6 @@ import functools
 import importlib.util
 import os
 
-from dynamicrubric.config import EngineConfig, ServingConfig
 from dynamicrubric.engines.base import (
     NO_SPELLINGS,
     YES_SPELLINGS,
@@ -42,6 +41,7 @@ from dynamicrubric.engines.base import (
 from dynamicrubric.engines.server_engine import FAILED, OUTCOMES, CallLedger, ServedError, ServerEngine
 from dynamicrubric.engines.transformers_engine import HFEngine
 from dynamicrubric.engines.vllm_engine import VLLMEngine
+from dynamicrubric.infra.config import EngineConfig, ServingConfig
 
 __all__ = [
     "FAILED",

@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dynamicrubric.config import ServingConfig
 from dynamicrubric.engines.base import (
     Engine,
     EngineError,
@@ -23,7 +22,8 @@ from dynamicrubric.engines.base import (
     pair_token_ids,
     progress_bar,
 )
-from dynamicrubric.models import resolve_model
+from dynamicrubric.infra.config import ServingConfig
+from dynamicrubric.infra.models import resolve_model
 
 if TYPE_CHECKING:
     from dynamicrubric.engines.base import Sampling
@@ -376,7 +376,7 @@ class ServerEngine(Engine):
             "return_token_ids": True,
         }
         if sampling.rubric_items:
-            from dynamicrubric.constrained import rubric_grammar
+            from dynamicrubric.engines.constrained import rubric_grammar
 
             common["structured_outputs"] = {"grammar": rubric_grammar(sampling.rubric_items)}
         end = self._call_end()
@@ -551,7 +551,7 @@ def _load_tokenizer(model_ref: str) -> Any:
 
     from transformers import AutoTokenizer
 
-    from dynamicrubric.models import BUILTIN_MODELS
+    from dynamicrubric.infra.models import BUILTIN_MODELS
 
     hub_id = (
         "://" not in model_ref

@@ -17,7 +17,7 @@ from dynamicrubric.engines.base import (
     free_memory,
     progress_bar,
 )
-from dynamicrubric.models import check_model_folder, resolve_model
+from dynamicrubric.infra.models import check_model_folder, resolve_model
 
 if TYPE_CHECKING:
     from dynamicrubric.engines.base import Sampling
@@ -203,7 +203,7 @@ class HFEngine(Engine):
         return result
 
     def _rubric_processor(self, max_items: int) -> Any:
-        from dynamicrubric.constrained import hf_logits_processor
+        from dynamicrubric.engines.constrained import hf_logits_processor
 
         return hf_logits_processor(
             self.tokenizer,

@@ -17,7 +17,7 @@ from dynamicrubric.engines.base import (
     logsumexp,
     pair_token_ids,
 )
-from dynamicrubric.models import check_model_folder, resolve_model
+from dynamicrubric.infra.models import check_model_folder, resolve_model
 
 if TYPE_CHECKING:
     from dynamicrubric.engines.base import Sampling
@@ -83,7 +83,7 @@ class VLLMEngine(Engine):
         outputs (xgrammar) with the same grammar HFEngine uses."""
         structured = None
         if sampling.rubric_items:
-            from dynamicrubric.constrained import rubric_grammar
+            from dynamicrubric.engines.constrained import rubric_grammar
 
             structured = self._vllm.sampling_params.StructuredOutputsParams(
                 grammar=rubric_grammar(sampling.rubric_items)

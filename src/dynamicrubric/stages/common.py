@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dynamicrubric.artifacts import read_frames, write_artifact
-from dynamicrubric.config import MAX_SEED
+from dynamicrubric.infra.artifacts import read_frames, write_artifact
+from dynamicrubric.infra.config import MAX_SEED
 from dynamicrubric.stages.spec import Data, ModelParam, Param
 
 LABEL = Param("label", str, "which use of the stage in the round (generator, audit-after, ...)", "stage")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pandas as pd
 
 from dynamicrubric import store
-from dynamicrubric.artifacts import empty_table, read_frame, write_artifact
-from dynamicrubric.config import Config
+from dynamicrubric.infra.artifacts import empty_table, read_frame, write_artifact
+from dynamicrubric.infra.config import Config
 from dynamicrubric.stages.common import (
     LABEL,
     NUM_SHARDS,
@@ -51,7 +51,7 @@ PREPARE_DATA = Stage(
 
 
 def rollout(cfg: Config, round_idx: int, *, label, shard, num_shards, seed, policy, prompts, out_rollouts):
-    from dynamicrubric.rollout import run_rollout
+    from dynamicrubric.scoring.rollout import run_rollout
 
     return run_rollout(
         prompts, out_rollouts, cfg, policy=policy, seed=seed, shard=shard, num_shards=num_shards

@@ -7,10 +7,11 @@ import json
 import logging
 import time
 
-from dynamicrubric import store, tracking
-from dynamicrubric.artifacts import read_frame, write_artifact
-from dynamicrubric.config import Config
-from dynamicrubric.plots import TRACED_SETS
+from dynamicrubric import store
+from dynamicrubric.evaluation.plots import TRACED_SETS
+from dynamicrubric.infra import tracking
+from dynamicrubric.infra.artifacts import read_frame, write_artifact
+from dynamicrubric.infra.config import Config
 from dynamicrubric.stages.common import (
     EVAL_PROMPTS,
     GENERATOR,
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 def evaluate_samples(cfg: Config, round_idx: int, *, policy, previous_policy, eval_prompts, out_samples):
     """The policy's held-out samples and the previous policy's one for the win rate
     (`evaluate.sample_held_out`), as one rollouts artifact."""
-    from dynamicrubric.evaluate import _Engines, sample_held_out
+    from dynamicrubric.evaluation.evaluate import _Engines, sample_held_out
 
     pool = _Engines(cfg, None)
     samples = sample_held_out(
@@ -59,8 +60,8 @@ def check_samples(cfg: Config, round_idx: int, *, eval_prompts, samples, out_out
     """The held-out samples of both policies scored by their tasks' checkers (HumanEval in the sandbox),
     in a CPU task of its own so that no GPU pod runs the policy's code: the policy's for its accuracy,
     the previous policy's for the signal guard's gold."""
-    from dynamicrubric.evaluate import check_samples as check
-    from dynamicrubric.evaluate import split_samples
+    from dynamicrubric.evaluation.evaluate import check_samples as check
+    from dynamicrubric.evaluation.evaluate import split_samples
 
     drawn = read_frame(samples, "rollouts")
     split_samples(drawn, cfg, samples)  # refuses samples of another evaluate.samples
@@ -125,7 +126,7 @@ def evaluate(
 ):
     """The evaluate stage; `samples` and `outcomes` (both or neither) are its first two phases done by
     the evaluate-samples and check-samples tasks, which the pipeline runs where evaluate has GPUs."""
-    from dynamicrubric.evaluate import run_evaluate, split_samples
+    from dynamicrubric.evaluation.evaluate import run_evaluate, split_samples
 
     if samples and not policy:  # the split pipeline hands no model to this task: the samples say whose
         current, previous = split_samples(read_frame(samples, "rollouts"), cfg, samples)
@@ -232,7 +233,7 @@ def rollback(cfg: Config, round_idx: int, *, start_policy, start_generator, guar
     """The next round's policy and generator: round t's when its signal guard found it healthy, else the
     ones round t started from (so, round after round, the last healthy round's). Written as reference
     folders (models.write_reference) that name the chosen checkpoints where they are."""
-    from dynamicrubric.models import model_reference, write_reference
+    from dynamicrubric.infra.models import model_reference, write_reference
 
     record = read_frame(guard, "guard").iloc[0]
     if int(record["round"]) != round_idx:

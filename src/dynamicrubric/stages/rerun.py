@@ -12,8 +12,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from dynamicrubric import tracking
-from dynamicrubric.config import config_from_yaml
+from dynamicrubric.infra import tracking
+from dynamicrubric.infra.config import config_from_yaml
 from dynamicrubric.stages.declarations import STAGES
 from dynamicrubric.stages.runner import STAGE_PARAM, execute
 

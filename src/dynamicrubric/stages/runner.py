@@ -11,10 +11,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dynamicrubric import logs, store, tracking
-from dynamicrubric.config import Config, config_from_yaml
-from dynamicrubric.models import BUILTIN_MODELS, REFERENCE_FILE, follow_reference, model_reference
-from dynamicrubric.plots import PLOT_NAMES, TRACED_SETS
+from dynamicrubric import store
+from dynamicrubric.evaluation.plots import PLOT_NAMES, TRACED_SETS
+from dynamicrubric.infra import logs, tracking
+from dynamicrubric.infra.config import Config, config_from_yaml
+from dynamicrubric.infra.models import BUILTIN_MODELS, REFERENCE_FILE, follow_reference, model_reference
 from dynamicrubric.stages.declarations import STAGES
 from dynamicrubric.stages.spec import Data, Stage
 

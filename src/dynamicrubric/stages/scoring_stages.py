@@ -7,8 +7,8 @@ import tempfile
 from pathlib import Path
 
 from dynamicrubric import store
-from dynamicrubric.artifacts import read_frame, write_artifact
-from dynamicrubric.config import MAX_SAMPLES, Config
+from dynamicrubric.infra.artifacts import read_frame, write_artifact
+from dynamicrubric.infra.config import MAX_SAMPLES, Config
 from dynamicrubric.stages.common import (
     GENERATOR,
     LABEL,
@@ -25,7 +25,7 @@ from dynamicrubric.stages.spec import Data, Param, Stage
 def rubrics(
     cfg: Config, round_idx: int, *, label, shard, samples, seed, generator, candidate_sets, out_rubrics
 ):
-    from dynamicrubric.rubrics import run_rubrics
+    from dynamicrubric.scoring.rubrics import run_rubrics
 
     return run_rubrics(candidate_sets, out_rubrics, cfg, generator=generator, samples=samples, seed=seed)
 
@@ -54,7 +54,7 @@ RUBRICS = Stage(
 
 
 def judge(cfg: Config, round_idx: int, *, label, shard, verifier, candidate_sets, rubrics, out_judgments):
-    from dynamicrubric.judge import run_judge
+    from dynamicrubric.scoring.judge import run_judge
 
     counts = run_judge(candidate_sets, out_judgments, cfg, rubrics_uri=rubrics or None, verifier=verifier)
     return {k: v for k, v in counts.items() if k != "variant"}
@@ -95,7 +95,7 @@ def aggregate(
 ):
     """Aggregate the shards. Without `anchors` but with `prompts`, the responses are ranked by their
     verifiable correctness first, so the mean gap (Δgap) has a reference ordering to measure against."""
-    from dynamicrubric.aggregate import run_aggregate
+    from dynamicrubric.scoring.aggregate import run_aggregate
 
     variant = "pointwise" if not rubrics else cfg.rubrics.variant
     outputs = (out_scores, out_rewards, out_diagnostics, out_metrics)

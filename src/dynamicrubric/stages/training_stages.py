@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from dynamicrubric import tracking
-from dynamicrubric.config import Config
+from dynamicrubric.infra import tracking
+from dynamicrubric.infra.config import Config
 from dynamicrubric.stages.common import (
     GENERATOR,
     POLICY,
@@ -38,8 +38,8 @@ def _train(cfg: Config, job) -> dict:
 
 def _traced_steps(cfg: Config, job) -> list[dict]:
     """Judged sets of some training steps (pipeline.traced_steps_every), for the stage's MLflow traces."""
-    from dynamicrubric.config import policy_variant
-    from dynamicrubric.traced_sets import step_sets
+    from dynamicrubric.evaluation.traced_sets import step_sets
+    from dynamicrubric.infra.config import policy_variant
 
     variant = policy_variant(cfg) if job.stage == "train-policy" else "dynamic"
     return step_sets(

@@ -9,7 +9,7 @@ import math
 import re
 from typing import TYPE_CHECKING
 
-from dynamicrubric.sandbox import SandboxResult, check_humaneval, check_humaneval_many
+from dynamicrubric.infra.sandbox import SandboxResult, check_humaneval, check_humaneval_many
 
 if TYPE_CHECKING:
     pass

@@ -22,7 +22,7 @@ import pandas as pd
 from dynamicrubric import store
 
 if TYPE_CHECKING:
-    from dynamicrubric.config import DataConfig
+    from dynamicrubric.infra.config import DataConfig
 
 
 log = logging.getLogger(__name__)

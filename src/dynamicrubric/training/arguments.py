@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dynamicrubric.config import Config
+from dynamicrubric.infra.config import Config
 from dynamicrubric.training.data import Trainee
 
 
@@ -31,7 +31,7 @@ def grpo_arguments(cfg: Config, trainee: Trainee, output_dir: str, accumulation:
     tcfg, weights, thinking = trainee.tcfg, trainee.reward_weights, trainee.enable_thinking
     generation_kwargs = None
     if vllm and trainee.constrain_items:
-        from dynamicrubric.constrained import rubric_grammar
+        from dynamicrubric.engines.constrained import rubric_grammar
 
         generation_kwargs = {"structured_outputs": {"grammar": rubric_grammar(trainee.constrain_items)}}
     return GRPOConfig(

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from dynamicrubric import store
-from dynamicrubric.artifacts import write_artifact
-from dynamicrubric.config import Config, TrainConfig
+from dynamicrubric.infra.artifacts import write_artifact
+from dynamicrubric.infra.config import Config, TrainConfig
 from dynamicrubric.training import cpu_waits
 from dynamicrubric.training.data import TrainingJob, trainee
 
@@ -49,7 +49,7 @@ def work_prefix(out_uri: str) -> str:
     """Where the resumable trainer checkpoints go: `<out>.work`, in the object store itself when
     `out_uri` is a pod's path to it (/s3/b/k is s3://b/k). The pod path is pod-local and uploaded only
     when the task succeeds, so a retried pod would never see checkpoints written there."""
-    from dynamicrubric.tracking import POD_PREFIXES, artifact_uri
+    from dynamicrubric.infra.tracking import POD_PREFIXES, artifact_uri
 
     base = out_uri.rstrip("/")
     if base.startswith(tuple(POD_PREFIXES)) and store.is_s3(artifact_uri(base)):
@@ -62,7 +62,7 @@ def scratch_folder(out_uri: str) -> Path:
     checkpoints go to the object store (the cache is node-local scratch; a retried pod gets a new one)."""
     work_uri = work_prefix(out_uri)
     if store.is_s3(work_uri):
-        from dynamicrubric.models import cache_dir
+        from dynamicrubric.infra.models import cache_dir
 
         return cache_dir() / "train-work" / hashlib.sha256(work_uri.encode()).hexdigest()[:16]
     return store.local_path(work_uri) / "scratch"
@@ -72,7 +72,7 @@ def checkpoint_origin(model_ref: str, tcfg: TrainConfig) -> dict[str, str]:
     """What a stored trainer checkpoint records about the run that wrote it, compared on resume: the
     starting model, and a digest of the train config without `max_steps` (raising it continues a run;
     the zero-steps check covers lowering it)."""
-    from dynamicrubric.models import model_reference
+    from dynamicrubric.infra.models import model_reference
 
     config = tcfg.model_dump(mode="json")
     config.pop("max_steps")
@@ -205,8 +205,8 @@ def finished_work(cfg: Config, job: TrainingJob) -> dict:
     digest of the config (all but `pipeline` and the models' references and URLs, which say where a
     run is orchestrated and served, not what it computes; the trainer's section with its max_steps
     included) and the input artifacts (their canonical URIs)."""
-    from dynamicrubric.models import model_reference
-    from dynamicrubric.tracking import artifact_uri
+    from dynamicrubric.infra.models import model_reference
+    from dynamicrubric.infra.tracking import artifact_uri
 
     config = cfg.model_dump(mode="json")
     config.pop("pipeline")
@@ -231,7 +231,7 @@ def _other_work(summary: dict, work: dict, tcfg: TrainConfig) -> list[str]:
     """How the work recorded in a finished checkpoint's summary differs from `work` (none: the same).
     A summary from before `work` was recorded is compared on what it has: stage, round, model, train
     config."""
-    from dynamicrubric.models import model_reference
+    from dynamicrubric.infra.models import model_reference
 
     recorded = summary.get("work")
     if recorded is None:

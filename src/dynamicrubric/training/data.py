@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from dynamicrubric.artifacts import read_artifact, read_frames
-from dynamicrubric.config import (
+from dynamicrubric.infra.artifacts import read_artifact, read_frames
+from dynamicrubric.infra.config import (
     Config,
     PolicyTrainConfig,
     SeedPurpose,
@@ -19,7 +19,7 @@ from dynamicrubric.config import (
     policy_variant,
     round_seed,
 )
-from dynamicrubric.models import check_model_folder, resolve_model_config
+from dynamicrubric.infra.models import check_model_folder, resolve_model_config
 
 TRAINING_STAGES = ("train-policy", "train-evaluator")
 
@@ -129,7 +129,7 @@ def evaluator_dataset(
 ) -> dict[str, list]:
     """One row per candidate set: the generator's prompt (the same text the rubrics stage builds),
     the set's responses, and their reference ranks where the set has an anchor list."""
-    from dynamicrubric.rubrics import generator_messages, rubric_requests
+    from dynamicrubric.scoring.rubrics import generator_messages, rubric_requests
 
     # One prompt per set, whatever rubrics.shuffle says: TRL's GRPO group is num_generations samples of
     # one dataset row, and its advantage compares samples of the same prompt. Samples that each read

@@ -10,7 +10,7 @@ from typing import Any
 
 import pandas as pd
 
-from dynamicrubric.config import Config
+from dynamicrubric.infra.config import Config
 from dynamicrubric.training.reward_common import (
     Scored,
     Share,
@@ -114,7 +114,7 @@ class GeneratorRewards(StepScorer):
         all of it); writes the step's artifacts (its part's)."""
         if not rows:
             return Scored([], {})
-        from dynamicrubric.rubrics import TRUNCATED, rubric_rows
+        from dynamicrubric.scoring.rubrics import TRUNCATED, rubric_rows
 
         started = time.perf_counter()
         cfg, g = self.cfg, self.g

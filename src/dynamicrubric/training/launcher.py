@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from dynamicrubric import store
-from dynamicrubric.config import Config, TrainConfig, served_roles
-from dynamicrubric.models import resolve_model
-from dynamicrubric.stopping import run_child
+from dynamicrubric.infra.config import Config, TrainConfig, served_roles
+from dynamicrubric.infra.models import resolve_model
+from dynamicrubric.infra.stopping import run_child
 from dynamicrubric.training import fsdp_hook
 from dynamicrubric.training.checkpoints import already_done
 from dynamicrubric.training.data import TrainingJob, check_batch, check_context, job_dataset, trainee
@@ -179,7 +179,7 @@ def run_node(
         env = training_env(tcfg, os.environ)
         roles = served_roles(cfg, key) if tcfg.reward_gpus else ()
         if roles:
-            from dynamicrubric.serving import reward_gpu_split, reward_servers
+            from dynamicrubric.infra.serving import reward_gpu_split, reward_servers
 
             train_gpus, role_gpus = reward_gpu_split(key, cfg, visible_gpus())
             folders = {r: str(resolve_model(getattr(job, r) or getattr(cfg.models, r))) for r in roles}

@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from dynamicrubric.artifacts import empty_table, is_timing
+from dynamicrubric.infra.artifacts import empty_table, is_timing
 
 # TRL's per-step log keys kept as metrics (besides every reward-function metric, which is kept whole).
 TRL_METRICS = {
@@ -89,7 +89,7 @@ class TimedGenerate:
         if self.max_items:
             from transformers import LogitsProcessorList
 
-            from dynamicrubric.constrained import hf_logits_processor
+            from dynamicrubric.engines.constrained import hf_logits_processor
 
             processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
             processors.append(hf_logits_processor(self.tokenizer, self.max_items, vocab_size=self.vocab_size))

@@ -18,8 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dynamicrubric import logs, store
-from dynamicrubric.config import config_from_yaml
+from dynamicrubric import store
+from dynamicrubric.infra import logs
+from dynamicrubric.infra.config import config_from_yaml
 from dynamicrubric.training.data import TrainingJob, trainee
 from dynamicrubric.training.launcher import Rendezvous, TrainingError, run_node
 

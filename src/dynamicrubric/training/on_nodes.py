@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamicrubric import store
-from dynamicrubric.config import Config
+from dynamicrubric.infra.config import Config
 from dynamicrubric.training.checkpoints import already_done
 from dynamicrubric.training.data import TrainingJob, trainee
 from dynamicrubric.training.launcher import check_job, error_uri, launch_error

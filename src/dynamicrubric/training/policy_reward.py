@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dynamicrubric.aggregate import TIE_TOLERANCE
-from dynamicrubric.config import Config, policy_variant, step_seed
+from dynamicrubric.infra.config import Config, policy_variant, step_seed
+from dynamicrubric.scoring.aggregate import TIE_TOLERANCE
 from dynamicrubric.training.reward_common import (
     Calls,
     Scored,
@@ -209,7 +209,7 @@ class PolicyReward(StepScorer):
         from dynamicrubric.tasks import CODE_TASKS, anchors_from_outcomes
 
         if self.variant in ("dynamic", "static"):
-            from dynamicrubric.rubrics import generate_rubrics
+            from dynamicrubric.scoring.rubrics import generate_rubrics
 
             t = time.perf_counter()
             generator = self._engines("generator", self.generator)

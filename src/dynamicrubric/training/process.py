@@ -17,7 +17,7 @@ from dynamicrubric.training.launcher import error_uri
 
 def main(argv: list[str] | None = None) -> int:
     """What `accelerate launch -m dynamicrubric.training.process` runs in every process."""
-    from dynamicrubric.config import config_from_yaml
+    from dynamicrubric.infra.config import config_from_yaml
 
     parser = argparse.ArgumentParser(
         prog="python -m dynamicrubric.training.process", description=__doc__.split("\n\n")[0]
@@ -38,10 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         final = train(cfg, TrainingJob.from_json(store.read_bytes(a.job).decode()))
     except Exception as e:
         if a.result:  # for the launcher, which reports it as its own error
-            from dynamicrubric.artifacts import ArtifactError
-            from dynamicrubric.config import ConfigError
             from dynamicrubric.engines import EngineError, ServedError
-            from dynamicrubric.models import ModelError
+            from dynamicrubric.infra.artifacts import ArtifactError
+            from dynamicrubric.infra.config import ConfigError
+            from dynamicrubric.infra.models import ModelError
 
             user = isinstance(
                 e, ArtifactError | ConfigError | store.StoreError | EngineError | ModelError | ValueError
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from dynamicrubric.stopping import Stopped, raise_on_stop_signals
+    from dynamicrubric.infra.stopping import Stopped, raise_on_stop_signals
 
     raise_on_stop_signals()  # a stopped launch unwinds (its temp folders go) and prints no traceback
     try:

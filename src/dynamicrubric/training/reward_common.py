@@ -19,10 +19,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dynamicrubric import store
-from dynamicrubric.artifacts import to_table, write_artifact
-from dynamicrubric.config import Config, reward_roles
 from dynamicrubric.engines.server_engine import ServedError, counts_text
-from dynamicrubric.models import resolve_model
+from dynamicrubric.infra.artifacts import to_table, write_artifact
+from dynamicrubric.infra.config import Config, reward_roles
+from dynamicrubric.infra.models import resolve_model
 from dynamicrubric.training import cpu_waits
 from dynamicrubric.training.checkpoints import this_node
 
@@ -338,7 +338,7 @@ class StepScorer:
     def judge_step(self, tables: dict[str, pa.Table]) -> dict[str, float]:
         """V judges the step's rollouts under its rubrics (pointwise without): adds the `judgments`
         table to `tables`; returns its yes rate, the server requests it made, and its seconds."""
-        from dynamicrubric.judge import judge_rollouts
+        from dynamicrubric.scoring.judge import judge_rollouts
 
         started = time.perf_counter()
         verifier = self._engines("verifier", self.verifier)
@@ -553,7 +553,7 @@ def aggregate_step(
     """Write the step's tables (validated on the way), aggregate them (aggregate.py) and write its
     outputs: every artifact of the step once. Returns the outputs by kind, and the run-level numbers
     as `signal/*` under "overall"."""
-    from dynamicrubric.aggregate import write_aggregation
+    from dynamicrubric.scoring.aggregate import write_aggregation
 
     write_step_tables(uri, tables, step)
     anchors_table = None

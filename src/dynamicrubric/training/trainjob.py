@@ -21,7 +21,7 @@ from pathlib import Path
 from kubeflow_trainer_api import models as k8s
 
 from dynamicrubric import store
-from dynamicrubric.config import CACHE_MOUNT, S3_ENV, Config
+from dynamicrubric.infra.config import CACHE_MOUNT, S3_ENV, Config
 from dynamicrubric.training.checkpoints import work_prefix
 from dynamicrubric.training.data import TrainingJob
 
@@ -182,8 +182,8 @@ def node_inputs(cfg: Config, job: TrainingJob) -> TrainingJob:
     back to its s3:// URI (tracking.artifact_uri). A model named by a built-in name or a hub id stays as
     it is. Any other local path, in the job or in the config's `models` a node falls back to, is refused
     in one line naming the field, before anything is submitted."""
-    from dynamicrubric.models import BUILTIN_MODELS, model_reference
-    from dynamicrubric.tracking import artifact_uri
+    from dynamicrubric.infra.models import BUILTIN_MODELS, model_reference
+    from dynamicrubric.infra.tracking import artifact_uri
 
     def data(name: str, uri: str) -> str:
         mapped = artifact_uri(uri) if uri else uri

@@ -40,9 +40,10 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from dynamicrubric import store, tracking
-from dynamicrubric.aggregate import TIE_TOLERANCE
-from dynamicrubric.artifacts import read_artifact, write_artifact
+from dynamicrubric import store
+from dynamicrubric.infra import tracking
+from dynamicrubric.infra.artifacts import read_artifact, write_artifact
+from dynamicrubric.scoring.aggregate import TIE_TOLERANCE
 
 __all__ = [
     "ITEMS_OUTPUT",

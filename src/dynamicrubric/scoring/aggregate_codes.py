@@ -12,7 +12,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dynamicrubric.artifacts import JUDGED_ITEMS, kind
+from dynamicrubric.infra.artifacts import JUDGED_ITEMS, kind
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from dynamicrubric.aggregate_codes import (
+from dynamicrubric.infra.artifacts import read_artifact, write_artifact
+from dynamicrubric.scoring.aggregate_codes import (
     AggregateError,
     Frame,
     _candidate_sets,
@@ -59,7 +60,6 @@ from dynamicrubric.aggregate_codes import (
     _starts,
     _strings,
 )
-from dynamicrubric.artifacts import read_artifact, write_artifact
 
 log = logging.getLogger(__name__)
 

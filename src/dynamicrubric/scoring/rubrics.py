@@ -22,11 +22,11 @@ from typing import Any
 
 import pandas as pd
 
-from dynamicrubric.artifacts import read_frame, write_artifact
-from dynamicrubric.config import Config
 from dynamicrubric.engines import FAILED, Engine, EngineError, load_engine, prompts_named
-from dynamicrubric.models import model_reference
-from dynamicrubric.prompts import (
+from dynamicrubric.infra.artifacts import read_frame, write_artifact
+from dynamicrubric.infra.config import Config
+from dynamicrubric.infra.models import model_reference
+from dynamicrubric.scoring.prompts import (
     ParsedRubric,
     dynamic_rubric_prompt,
     parse_rubric,

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from dynamicrubric.config_sections import (
+from dynamicrubric.infra.config_sections import (
     CACHE_MOUNT,
     DEFAULT_PRESET,
     GIB,
@@ -53,7 +53,7 @@ from dynamicrubric.config_sections import (
     quantity_bytes,
 )
 
-# The sections are part of this module's interface: `from dynamicrubric.config import TrainConfig`.
+# The sections are part of this module's interface: `from dynamicrubric.infra.config import TrainConfig`.
 __all__ = [
     "AggregateConfig",
     "Config",

@@ -1,6 +1,6 @@
 """What the launcher's parts share: the kernel's constants, the layout of a run, and a libc caller.
 
-Standard library only (see `__main__.py`). `dynamicrubric.sandbox_launch` imports SAFE_PATH and
+Standard library only (see `__main__.py`). `dynamicrubric.infra.sandbox_launch` imports SAFE_PATH and
 ALLOW_WEAK_ENV from here, so that the caller and the launcher agree on them.
 """
 

@@ -32,26 +32,33 @@ import numpy as np
 import pandas as pd
 
 from dynamicrubric import tasks
-from dynamicrubric.aggregate import score_responses
-from dynamicrubric.artifacts import read_artifact, read_frame, write_artifact
-from dynamicrubric.config import Config
 from dynamicrubric.engines import Engine, load_engine
-from dynamicrubric.evaluation_metrics import (
+from dynamicrubric.evaluation.guard import GUARD, guarded
+from dynamicrubric.evaluation.item_usefulness import summarise as summarise_items
+from dynamicrubric.evaluation.labelled import accuracy_by_origin, as_rollouts, labelled_lists
+from dynamicrubric.evaluation.metrics import (
     evaluator_metrics,
     pair_credits,
     policy_metrics,
     win_credits,
     win_rate,
 )
-from dynamicrubric.guard import GUARD, guarded
-from dynamicrubric.item_usefulness import summarise as summarise_items
-from dynamicrubric.judge import run_judge
-from dynamicrubric.labelled import accuracy_by_origin, as_rollouts, labelled_lists
-from dynamicrubric.plots import write_plots
-from dynamicrubric.probe import ACTION_WORDS, EvalJob, guard_jobs, guard_record, guard_report, probe_items
-from dynamicrubric.rollout import sample_rollouts
-from dynamicrubric.rubrics import run_rubrics
-from dynamicrubric.traced_sets import traced_sets
+from dynamicrubric.evaluation.plots import write_plots
+from dynamicrubric.evaluation.probe import (
+    ACTION_WORDS,
+    EvalJob,
+    guard_jobs,
+    guard_record,
+    guard_report,
+    probe_items,
+)
+from dynamicrubric.evaluation.traced_sets import traced_sets
+from dynamicrubric.infra.artifacts import read_artifact, read_frame, write_artifact
+from dynamicrubric.infra.config import Config
+from dynamicrubric.scoring.aggregate import score_responses
+from dynamicrubric.scoring.judge import run_judge
+from dynamicrubric.scoring.rollout import sample_rollouts
+from dynamicrubric.scoring.rubrics import run_rubrics
 
 log = logging.getLogger(__name__)
 

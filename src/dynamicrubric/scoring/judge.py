@@ -28,10 +28,10 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from dynamicrubric.artifacts import kind, read_frame, write_artifact
-from dynamicrubric.config import Config
 from dynamicrubric.engines import Engine, load_engine, progress_bar, prompts_named
-from dynamicrubric.prompts import (
+from dynamicrubric.infra.artifacts import kind, read_frame, write_artifact
+from dynamicrubric.infra.config import Config
+from dynamicrubric.scoring.prompts import (
     JUDGE_ITEM_QUESTION,
     POINTWISE_QUESTION,
     judge_context,

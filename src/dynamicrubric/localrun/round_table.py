@@ -6,10 +6,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from dynamicrubric import tracking
-from dynamicrubric.config import Config
-from dynamicrubric.launch import LocalRun
-from dynamicrubric.stats import wilson_interval
+from dynamicrubric.evaluation.stats import wilson_interval
+from dynamicrubric.infra import tracking
+from dynamicrubric.infra.config import Config
+from dynamicrubric.localrun.launch import LocalRun
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def round_table(cfg: Config, parent_run_id: str) -> list[dict]:
 def _guard_columns(cfg: Config, ev: dict, train_policy) -> dict:
     """The signal guard's columns (guard.py) from the round's evaluate metrics, and the policy trainer's
     length correlation averaged over its steps."""
-    from dynamicrubric.guard import ALARMS
+    from dynamicrubric.evaluation.guard import ALARMS
 
     if "guard/healthy" not in ev:  # a run from before the guard, or a round that did not evaluate
         return dict.fromkeys(("gold", "agreement", "canary", "order", "len_corr", "alarm"))
@@ -220,8 +220,8 @@ def _fmt(value) -> str:
 def report(cfg: Config, result: LocalRun, page: str = "") -> str:
     """What `dynrubric run` prints at the end: the round table with its legend, where everything is
     (`page`: the run report page), and whether anything ran at all."""
+    from dynamicrubric.evaluation.probe import ACTION_WORDS
     from dynamicrubric.pipelines.co_evolution import guard_action
-    from dynamicrubric.probe import ACTION_WORDS
 
     rows = round_table(cfg, result.parent_run_id)
     out = ["", format_table(rows), "", "Legend:", format_legend(rows, cfg), ""]

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from dynamicrubric.aggregate import TIE_TOLERANCE
-from dynamicrubric.config import Config, GuardConfig, policy_variant
+from dynamicrubric.infra.config import Config, GuardConfig, policy_variant
+from dynamicrubric.scoring.aggregate import TIE_TOLERANCE
 
 log = logging.getLogger(__name__)
 

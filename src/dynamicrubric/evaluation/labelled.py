@@ -11,8 +11,8 @@ import numpy as np
 import pandas as pd
 
 from dynamicrubric import tasks
-from dynamicrubric.artifacts import ArtifactError, artifact_kind, read_frame
-from dynamicrubric.evaluation_metrics import pairwise_accuracy, rankable
+from dynamicrubric.evaluation.metrics import pairwise_accuracy, rankable
+from dynamicrubric.infra.artifacts import ArtifactError, artifact_kind, read_frame
 
 log = logging.getLogger(__name__)
 

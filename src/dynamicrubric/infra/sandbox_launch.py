@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from dynamicrubric._sandbox.common import SAFE_PATH
+from dynamicrubric.infra._sandbox.common import SAFE_PATH
 
-# The sandbox's one logger (these warnings were `dynamicrubric.sandbox`'s before the split), so that
+# The sandbox's one logger (these warnings were `dynamicrubric.infra.sandbox`'s before the split), so that
 # what filters or captures it still sees every sandbox warning.
-log = logging.getLogger("dynamicrubric.sandbox")
+log = logging.getLogger("dynamicrubric.infra.sandbox")
 
 Status = Literal["ok", "failed", "timeout", "killed", "error"]
 

@@ -132,12 +132,12 @@ import pwd
 import shutil
 import sys
 
-from dynamicrubric._sandbox.common import ALLOW_WEAK_ENV
+from dynamicrubric.infra._sandbox.common import ALLOW_WEAK_ENV
 
 # SandboxResult and SandboxError are this module's public types: they are defined with the launch that
 # makes them (sandbox_launch.py, which cannot import this module: this module calls it) and imported
-# here, so `from dynamicrubric.sandbox import SandboxResult` is unchanged.
-from dynamicrubric.sandbox_launch import SandboxError, SandboxResult, execute
+# here, so `from dynamicrubric.infra.sandbox import SandboxResult` is unchanged.
+from dynamicrubric.infra.sandbox_launch import SandboxError, SandboxResult, execute
 
 
 def run_python(

@@ -6,7 +6,7 @@ How the launcher's other files are found, and why this way:
 - `-I` (isolated mode) keeps the caller's environment, site-packages and the script's own folder off
   sys.path, and `-S` skips `site`: the launcher imports nothing but the standard library. That must
   stay so, yet a script cannot import the files next to it under `-I`.
-- `python -m dynamicrubric._sandbox.launcher` would need the folder that holds the whole package
+- `python -m dynamicrubric.infra._sandbox.launcher` would need the folder that holds the whole package
   (site-packages, or src/) on sys.path: everything installed there, which `-I` is there to leave out.
 - Running the folder (`python -I -S <folder>`) works, as Python puts a folder or zip it runs at
   sys.path[0] even under `-I` (checked on 3.11); so does inserting this folder into sys.path. Both make
@@ -14,7 +14,7 @@ How the launcher's other files are found, and why this way:
   a standard module would shadow it for the launcher and for every module it imports.
 - So this file registers its own folder as a package, `_sandbox`, whose `__path__` is that folder only,
   and the launcher's modules import each other relatively (`from .common import ...`), exactly as they
-  do when imported in-process as `dynamicrubric._sandbox`. sys.path is left as `-I -S` makes it for a
+  do when imported in-process as `dynamicrubric.infra._sandbox`. sys.path is left as `-I -S` makes it for a
   script: the standard library only. What the launcher can import grows by this folder's own files,
   and only under `_sandbox.`, where they can shadow nothing. They load through `__pycache__` like the
   caller's own modules (which the caller already trusts), so the launcher starts faster than the one

@@ -23,9 +23,9 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dynamicrubric import tracking
-from dynamicrubric.config import Config
-from dynamicrubric.task_monitor import TaskMonitor, write_index
+from dynamicrubric.infra import tracking
+from dynamicrubric.infra.config import Config
+from dynamicrubric.localrun.task_monitor import TaskMonitor, write_index
 
 log = logging.getLogger(__name__)
 

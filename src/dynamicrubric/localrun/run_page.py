@@ -20,10 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from dynamicrubric import tracking
-from dynamicrubric.config import Config
-from dynamicrubric.plots import TRACED_SETS
-from dynamicrubric.round_table import GUARD_COLUMNS, LEGEND, SMALL_N, _fmt, round_table, scale_notes
+from dynamicrubric.evaluation.plots import TRACED_SETS
+from dynamicrubric.infra import tracking
+from dynamicrubric.infra.config import Config
+from dynamicrubric.localrun.round_table import GUARD_COLUMNS, LEGEND, SMALL_N, _fmt, round_table, scale_notes
 
 log = logging.getLogger(__name__)
 

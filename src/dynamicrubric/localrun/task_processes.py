@@ -42,7 +42,7 @@ PRELOAD = [
     "kfp.dsl.executor_main",
     "dynamicrubric.stages.runner",
     "dynamicrubric.engines",
-    "dynamicrubric.tracking",
+    "dynamicrubric.infra.tracking",
 ]
 EXECUTOR_LINE = "-m kfp.dsl.executor_main"  # in the `sh -ec` script of a lightweight component's task
 
@@ -199,7 +199,7 @@ def _run_executor(
         import torch
 
         torch.set_num_threads(int(threads))
-    from dynamicrubric.stopping import Stopped, raise_on_stop_signals
+    from dynamicrubric.infra.stopping import Stopped, raise_on_stop_signals
 
     # A Ctrl-C reaches every process of the terminal's group, the tasks too, and a pod's stop is a
     # SIGTERM: the task unwinds (its temp folders go) and ends without a traceback; the run says it.

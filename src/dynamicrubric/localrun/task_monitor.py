@@ -20,9 +20,9 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from dynamicrubric import logs, tracking
-from dynamicrubric.config import STAGE_FACTS
-from dynamicrubric.task_processes import TaskStarter
+from dynamicrubric.infra import logs, tracking
+from dynamicrubric.infra.config import STAGE_FACTS
+from dynamicrubric.localrun.task_processes import TaskStarter
 
 log = logging.getLogger(__name__)
 

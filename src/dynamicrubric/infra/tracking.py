@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from dynamicrubric.config import Config
+from dynamicrubric.infra.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ class StageRun:
     ) -> None:
         """Record an artifact as an MLflow dataset input ('input' or 'output') whose source is its URI,
         tagged with the stage's name for it and, for a list of shards, its position in the list."""
-        from dynamicrubric.artifacts import read_frame
+        from dynamicrubric.infra.artifacts import read_frame
         from dynamicrubric.store import read_bytes
 
         frame = read_frame(uri, kind)
@@ -234,7 +234,7 @@ class StageRun:
 
     def log_metrics_table(self, uri: str) -> None:
         """Log a `metrics` artifact: per-step rows with their step, the rest at step 0."""
-        from dynamicrubric.artifacts import read_frame
+        from dynamicrubric.infra.artifacts import read_frame
 
         self.log_metric_rows(read_frame(uri, "metrics").to_dict("records"))
 
@@ -399,7 +399,7 @@ def stage_run(
     """
     from mlflow.tracking.context.registry import resolve_tags
 
-    from dynamicrubric import logs
+    from dynamicrubric.infra import logs
 
     stage = stage.replace("_", "-")
     if not run_name or not tracking_uri(cfg):

@@ -10,10 +10,10 @@ import logging
 
 import pandas as pd
 
-from dynamicrubric.artifacts import read_frame, write_artifact
-from dynamicrubric.config import Config
 from dynamicrubric.engines import Engine, load_engine, prompts_named
-from dynamicrubric.models import model_reference
+from dynamicrubric.infra.artifacts import read_frame, write_artifact
+from dynamicrubric.infra.config import Config
+from dynamicrubric.infra.models import model_reference
 
 log = logging.getLogger(__name__)
 

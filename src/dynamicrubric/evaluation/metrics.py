@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from dynamicrubric.aggregate import TIE_TOLERANCE
+from dynamicrubric.scoring.aggregate import TIE_TOLERANCE
 from dynamicrubric.tasks import CODE_TASKS
 
 log = logging.getLogger(__name__)

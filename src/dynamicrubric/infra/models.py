@@ -171,7 +171,7 @@ def model_reference(ref: str) -> str:
     """The reference an artifact stores for the model it came from, the same however it was typed: a
     local folder as its absolute path (a pod's mounted /s3/b/k as s3://b/k, the URI a rerun would
     name), a built-in name or hub id as it is."""
-    from dynamicrubric.tracking import POD_PREFIXES, artifact_uri
+    from dynamicrubric.infra.tracking import POD_PREFIXES, artifact_uri
 
     if ref in BUILTIN_MODELS:  # resolve_model reads these as built-in names, whatever folders exist here
         return ref
@@ -349,7 +349,7 @@ def prepare_model(name: str) -> Path:
         # transformers' save_pretrained writes nothing on a rank other than 0 of an initialised process
         # group, and a node of a several-node job has no rank 0 of its own: build in a fresh process
         # (which takes the lock below itself).
-        code = f"from dynamicrubric.models import prepare_model; prepare_model({name!r})"
+        code = f"from dynamicrubric.infra.models import prepare_model; prepare_model({name!r})"
         subprocess.run([sys.executable, "-c", code], check=True)
         return final
     with _cache_lock(final.parent):

@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from dynamicrubric.config import Config, ConfigError, served_roles
+from dynamicrubric.infra.config import Config, ConfigError, served_roles
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ import numpy as np
 import pandas as pd
 
 from dynamicrubric import tasks
-from dynamicrubric.artifacts import read_frame
-from dynamicrubric.config import Config, SeedPurpose, policy_variant, round_seed
-from dynamicrubric.guard import GUARD, GuardReport, canary_sets, guarded, measure, shuffled_order
-from dynamicrubric.models import model_reference
+from dynamicrubric.evaluation.guard import GUARD, GuardReport, canary_sets, guarded, measure, shuffled_order
+from dynamicrubric.infra.artifacts import read_frame
+from dynamicrubric.infra.config import Config, SeedPurpose, policy_variant, round_seed
+from dynamicrubric.infra.models import model_reference
 
 # What each guard.action does once the alarm fires, in the words of the log line.
 ACTION_WORDS = {
@@ -80,7 +80,7 @@ def probe_items(
 ) -> pd.DataFrame:
     """The `item_usefulness` of the probe's rubric items (G_t's, over both policies' samples) against
     the gold; empty where the probe has no rubric (the pointwise judge) or did not run."""
-    from dynamicrubric.item_usefulness import item_usefulness
+    from dynamicrubric.evaluation.item_usefulness import item_usefulness
 
     probe = next((j for j in jobs if j.name == "probe"), None)
     if probe is None or probe.judged is None:
@@ -96,7 +96,7 @@ def probe_items(
 
 
 def _no_items() -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    from dynamicrubric.artifacts import empty_table
+    from dynamicrubric.infra.artifacts import empty_table
 
     return tuple(empty_table(kind).to_pandas() for kind in ("rubrics", "judgments", "rollouts"))
 

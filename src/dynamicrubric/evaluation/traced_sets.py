@@ -8,9 +8,9 @@ import re
 import pandas as pd
 
 from dynamicrubric import store
-from dynamicrubric.artifacts import read_frame
-from dynamicrubric.labelled import OUTCOMES_PREFIX
-from dynamicrubric.probe import EvalJob
+from dynamicrubric.evaluation.labelled import OUTCOMES_PREFIX
+from dynamicrubric.evaluation.probe import EvalJob
+from dynamicrubric.infra.artifacts import read_frame
 
 _STEP = re.compile(r"step-(\d+)")
 
@@ -30,7 +30,7 @@ def traced_sets(
     item (None: the verdict failed), its score and its gold: its rank in a labelled list (1 = best) and
     the checker's score of a policy sample. Labelled lists come first, in the jobs' order; the guard's
     order and reference sets repeat the probe's responses and are left out."""
-    from dynamicrubric.models import model_reference
+    from dynamicrubric.infra.models import model_reference
 
     checker = {
         (OUTCOMES_PREFIX + str(p), int(i)): float(v)

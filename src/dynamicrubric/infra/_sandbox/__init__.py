@@ -7,7 +7,7 @@
 - The judge and the worker (`child.py`): its source is passed to `python -I -S -c` inside the view,
   where this package is not installed.
 
-`dynamicrubric.sandbox` imports only constants from here (`common.py`), and the tests import the
+`dynamicrubric.infra.sandbox` imports only constants from here (`common.py`), and the tests import the
 child's encoder; in the launcher process this `__init__.py` is never run (see `__main__.py`), so it must
 stay free of code. The module docstring of `sandbox.py` says what each step of a run is for.
 """
