@@ -23,11 +23,11 @@ import torch
 from safetensors.torch import load_file
 
 from dynamicrubric import store, tasks
-from dynamicrubric.artifacts import empty_table, read_frame, write_artifact
-from dynamicrubric.config import load_config
 from dynamicrubric.engines import load_engine
-from dynamicrubric.models import resolve_model
-from dynamicrubric.rollout import policy_prompt
+from dynamicrubric.infra.artifacts import empty_table, read_frame, write_artifact
+from dynamicrubric.infra.config import load_config
+from dynamicrubric.infra.models import resolve_model
+from dynamicrubric.scoring.rollout import policy_prompt
 from dynamicrubric.training import checkpoints, data, grpo, launcher
 from dynamicrubric.training.data import TrainingJob
 
@@ -266,11 +266,20 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "model.safetensors"))
 
 
-def test_same_seed_gives_identical_step_artifacts_and_weights(tmp_path):
+def test_same_seed_twice_in_one_process_gives_identical_step_artifacts_and_weights(tmp_path):
+    """`grpo.train` called twice in this process (as a notebook or a sweep would): the second call
+    works (process-wide hooks are registered once) and, with the same seed, writes the same bytes."""
     cfg = _cfg(train_policy={"max_steps": 2})
-    for run in ("a", "b"):
-        (tmp_path / run).mkdir()
-        _train_policy(cfg, tmp_path / run)
+    threads = torch.get_num_threads()
+    try:
+        for run in ("a", "b"):
+            (tmp_path / run).mkdir()
+            folder = tmp_path / run
+            grpo.train(cfg, TrainingJob("train-policy", str(folder / "policy"), str(folder / "steps"),
+                                        round_idx=1, policy="tiny-random", generator="tiny-random",
+                                        prompts_uri=_prompts(folder, cfg)))  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)  # the trainer sets the config's torch_threads for its process
     for kind in ("rollouts", "rubrics", "judgments", "scores"):
         for step in (1, 2):
             rel = Path("steps") / f"step-{step:05d}" / f"{kind}.parquet"
@@ -339,7 +348,7 @@ def test_paper_preset_launches_one_process_per_gpu():
     cmd = launcher.launch_command(tcfg.world_size, ["train-policy"])
     assert cmd[cmd.index("--num_processes") + 1] == "6"
     assert cfg.pipeline.resources["train_policy"].gpus == tcfg.world_size + tcfg.reward_gpus == 6 + 2
-    from dynamicrubric.config import ConfigError
+    from dynamicrubric.infra.config import ConfigError
     from dynamicrubric.pipelines.co_evolution import build_pipeline
 
     # refused when the config loads (vLLM's GPU memory plan) ...

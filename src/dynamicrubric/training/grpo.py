@@ -27,6 +27,7 @@ process.py).
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import shutil
@@ -37,9 +38,9 @@ from datetime import timedelta
 import torch
 
 from dynamicrubric import store
-from dynamicrubric.artifacts import write_artifact
-from dynamicrubric.config import Config
-from dynamicrubric.models import resolve_model
+from dynamicrubric.infra.artifacts import write_artifact
+from dynamicrubric.infra.config import Config
+from dynamicrubric.infra.models import resolve_model
 from dynamicrubric.training import cpu_waits
 from dynamicrubric.training.arguments import grpo_arguments
 from dynamicrubric.training.checkpoints import (
@@ -88,11 +89,14 @@ def train(cfg: Config, job: TrainingJob) -> dict:
     return _grpo(cfg, job, job_dataset(cfg, job), reward_funcs, reward.release_models)
 
 
+@functools.cache
 def _restore_indexed_cpu() -> None:
     """Let torch.load restore tensors to `cpu:0`. accelerate 1.15 names a gloo process's device cpu:0,
     transformers resumes the optimizer state with map_location=args.device when world_size > 1, and torch
     restores only to "cpu": every multi-process CPU resume failed ("don't know how to restore data
-    location ... (tagged with cpu:0)"). Only without CUDA; a GPU process's device is cuda:N."""
+    location ... (tagged with cpu:0)"). Only without CUDA; a GPU process's device is cuda:N. Registered
+    once a process (cached): torch keeps its registry sorted by priority, and a second entry of the same
+    priority made the sort compare two functions (TypeError on the second `train` in a process)."""
     torch.serialization.register_package(30, lambda storage: None, _indexed_cpu)
 
 
