@@ -31,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from dynamicrubric.infra.config import load_config
+from dynamicrubric.infra.config_loading import load_config
 from dynamicrubric.pipelines.co_evolution import compile_pipeline
 
 NODE_BOOKKEEPING = 600  # bytes: id, name, displayName, type, templateName, phase, times, children, ...

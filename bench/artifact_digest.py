@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from dynamicrubric.infra.artifacts import is_timing
+from dynamicrubric.infra.artifact_kinds import is_timing
 
 SKIPPED_FILES = {"task.log", "executor_output.json", "_COMPLETE"}
 PARQUET_MAGIC = b"PAR1"

@@ -32,7 +32,7 @@ import pandas as pd
 import pyarrow as pa
 
 from bench import cpu_model
-from dynamicrubric.infra.artifacts import RUBRIC_ITEM
+from dynamicrubric.infra.artifact_kinds import RUBRIC_ITEM
 from dynamicrubric.scoring.aggregate import aggregate
 
 K = 8  # responses per prompt

@@ -117,7 +117,7 @@ class TokenizeOnlyEngine(Engine):
 def child(n: int, folder: str, mode: str) -> dict:
     """One measurement, in its own process: judge `n` questions the stage's way (or the former way)."""
     from dynamicrubric.infra.artifacts import read_frame
-    from dynamicrubric.infra.config import load_config
+    from dynamicrubric.infra.config_loading import load_config
     from dynamicrubric.scoring.judge import run_judge
     from dynamicrubric.scoring.prompts import JUDGE_ITEM_QUESTION, judge_context, split_chat_prompt
 

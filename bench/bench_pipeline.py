@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from dynamicrubric.engines import load_engine
     from dynamicrubric.infra.artifacts import write_artifact
-    from dynamicrubric.infra.config import load_config
+    from dynamicrubric.infra.config_loading import load_config
     from dynamicrubric.scoring.judge import run_judge
     from dynamicrubric.scoring.rollout import run_rollout
     from dynamicrubric.scoring.rubrics import run_rubrics

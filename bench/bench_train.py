@@ -39,7 +39,7 @@ import yaml
 from bench import RESULTS, machine_info, print_table, write_result
 from dynamicrubric import tasks
 from dynamicrubric.infra.artifacts import write_artifact
-from dynamicrubric.infra.config import load_config
+from dynamicrubric.infra.config_loading import load_config
 from dynamicrubric.training import launcher
 from dynamicrubric.training.data import TrainingJob
 from dynamicrubric.training.monitoring import timing_frame

@@ -34,8 +34,10 @@ import pandas as pd
 
 from bench.stats import bootstrap_mean, paired_difference
 from dynamicrubric import tasks
-from dynamicrubric.infra.artifacts import empty_table, read_frame, write_artifact
-from dynamicrubric.infra.config import Config, load_config
+from dynamicrubric.infra.artifact_kinds import empty_table
+from dynamicrubric.infra.artifacts import read_frame, write_artifact
+from dynamicrubric.infra.config import Config
+from dynamicrubric.infra.config_loading import load_config
 from dynamicrubric.stages.runner import run_stage
 from dynamicrubric.training import launcher
 from dynamicrubric.training.data import TrainingJob

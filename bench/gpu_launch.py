@@ -90,7 +90,7 @@ def run(work: Path, result: dict[str, Any]) -> list[str]:
 
     from dynamicrubric import store, tasks
     from dynamicrubric.infra.artifacts import read_frame, write_artifact
-    from dynamicrubric.infra.config import load_config
+    from dynamicrubric.infra.config_loading import load_config
     from dynamicrubric.infra.models import resolve_model
     from dynamicrubric.training import launcher
     from dynamicrubric.training.checkpoints import STALL_ENV

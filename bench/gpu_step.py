@@ -177,7 +177,7 @@ def phased_reward(phases: Phases) -> Any:
 
 def step_settings(tiny: bool) -> dict[str, Any]:
     """The paper preset's train-policy settings for one training process, and what this step changes."""
-    from dynamicrubric.infra.config import load_config
+    from dynamicrubric.infra.config_loading import load_config
 
     cfg = load_config(preset="paper")
     tcfg = cfg.train_policy

@@ -28,7 +28,8 @@ from dynamicrubric import tasks
 from dynamicrubric.engines import load_engine
 from dynamicrubric.evaluation.evaluate import check_samples
 from dynamicrubric.infra.artifacts import read_frame, write_artifact
-from dynamicrubric.infra.config import Config, load_config
+from dynamicrubric.infra.config import Config
+from dynamicrubric.infra.config_loading import load_config
 from dynamicrubric.infra.models import resolve_model
 from dynamicrubric.scoring.rollout import sample_rollouts
 from dynamicrubric.training import launcher

@@ -44,7 +44,8 @@ from dynamicrubric import tasks
 from dynamicrubric.evaluation.labelled import OUTCOMES_PREFIX
 from dynamicrubric.infra import tracking
 from dynamicrubric.infra.artifacts import read_frame, write_artifact
-from dynamicrubric.infra.config import Config, _merge, load_config
+from dynamicrubric.infra.config import Config
+from dynamicrubric.infra.config_loading import _merge, load_config
 
 HERE = Path(__file__).parent / "study"
 PLOTS = Path(__file__).parent.parent / "docs" / "results"  # per-variant plots for the report
@@ -135,7 +136,7 @@ def step_costs(cfg: Config, work: Path, steps: int = 2) -> dict[str, Any]:
     """Seconds per step of both trainers on the study config (the dynamic reward), their per-step
     split, and the seconds of the once-a-round stages that do not scale with steps."""
     from dynamicrubric.evaluation.evaluate import run_evaluate
-    from dynamicrubric.infra.artifacts import empty_table
+    from dynamicrubric.infra.artifact_kinds import empty_table
     from dynamicrubric.stages.runner import run_stage
     from dynamicrubric.training import launcher
     from dynamicrubric.training.data import TrainingJob

@@ -38,200 +38,38 @@ first..last (absolute round numbers, so seeds and task names are those of one lo
 after the first starts from the previous one's final policy and generator, given as the pipeline
 parameters `start_policy` and `start_generator` (checkpoint paths or URIs). launch.py runs the
 segments one after another.
+
+What a run of a config is (its variant, task count, segments, start parameters) is in run_plan.py, and
+what each task gets on a cluster (resources, mounts, secrets, staged models) in task_settings.py.
 """
 
 import contextlib
-import hashlib
-import sys
-import warnings
-from collections.abc import Callable
 
-import yaml
-from kfp import dsl, kubernetes
+from kfp import dsl
 
-from dynamicrubric import store
 from dynamicrubric.components import stages
 from dynamicrubric.infra.config import (
-    CACHE_MOUNT,
-    S3_ENV,
-    STAGE_FACTS,
-    TENSOR_PARALLEL_ENV,
     Config,
     ConfigError,
-    ModelsConfig,
     SeedPurpose,
-    StageResources,
     gpu_count_mismatch,
-    policy_variant,
     round_seed,
 )
-from dynamicrubric.infra.models import staging_plan
+from dynamicrubric.pipelines.run_plan import (
+    default_run_name,
+    guard_action,
+    one_line_yaml,
+    pipeline_variant,
+    split_evaluate,
+    start_parameters,
+)
+from dynamicrubric.pipelines.task_settings import _configure, model_plan, staged_models
 
 # The largest package `dynrubric compile` writes (bytes of YAML): a run's Argo Workflow object is its
 # spec and ~24 KB of node status a task, which Argo fits under its 1 MiB only compressed (~2.4 KB a
 # task); 300 KiB keeps the compressed estimate near 0.55 MiB, half the limit left for retries' nodes
 # and what the estimate leaves out (docs/deploy.md, "How many rounds a run holds").
 MAX_PACKAGE_BYTES = 300 * 1024
-RETRY_BACKOFF = {"backoff_duration": "60s", "backoff_factor": 2.0, "backoff_max_duration": "1800s"}
-# The pod label of tasks that run policy-generated code (config.STAGE_FACTS runs_code), which the
-# cluster's policies in manifests/cluster/gvisor use to run them under gVisor. A GPU task is never
-# labelled (gVisor would pin it to gVisor nodes, which a normal GPU pool has none of) and runs no
-# policy code: where evaluate gets GPUs its checks move to a CPU task of their own (check-samples, see
-# `split_evaluate`), and train-policy on GPUs leaves code out of its outcome monitoring (config refuses
-# the verifiable reward on code prompts there).
-RUNS_CODE_LABEL = ("dynamicrubric.io/runs-code", "true")
-
-
-def task_resources(cfg: Config, stage: str) -> StageResources:
-    """What a stage's KFP task requests: its `pipeline.resources`, except a training stage on several
-    nodes, whose task only submits and follows a TrainJob; the TrainJob's nodes get the stage's resources
-    (training/trainjob.py)."""
-    res = cfg.pipeline.stage_resources(stage)
-    if stage in ("train_policy", "train_evaluator") and getattr(cfg, stage).num_nodes > 1:
-        return res.model_copy(update={"gpus": 0, "cpu": "1", "memory": "4Gi"})
-    return res
-
-
-def runs_in_gvisor(cfg: Config, stage: str) -> bool:
-    """Whether the stage's tasks carry RUNS_CODE_LABEL: they run code and request no GPU."""
-    return STAGE_FACTS[stage].runs_code and not cfg.pipeline.stage_resources(stage).gpus
-
-
-def split_evaluate(cfg: Config) -> bool:
-    """Whether a round's evaluate is three tasks: evaluate-samples (the policies sample, on the
-    evaluate's GPUs) → check-samples (their code checked, CPU) → evaluate (G and V score, metrics).
-    Where evaluate has no GPU it is one task that does all three, as the split costs two task starts."""
-    return bool(cfg.pipeline.stage_resources("evaluate").gpus)
-
-
-def pipeline_variant(cfg: Config) -> str:
-    """dynamic | static (rubrics.variant), pointwise or verifiable (judge.variant)."""
-    return policy_variant(cfg)
-
-
-def guard_action(cfg: Config) -> str:
-    """What the signal guard's alarm does in this run (guard.action); the verifiable baseline has no
-    evaluator to guard, and a disabled guard no alarm."""
-    return cfg.guard.action if cfg.guard.enabled and pipeline_variant(cfg) != "verifiable" else "warn"
-
-
-def default_run_name(cfg: Config) -> str:
-    """Stable for a given config, so a rerun hits the cache and reuses its MLflow parent run."""
-    digest = hashlib.sha256(cfg.to_yaml().encode()).hexdigest()[:10]
-    return f"{cfg.preset}-{pipeline_variant(cfg)}-{digest}"
-
-
-def one_line_yaml(cfg: Config) -> str:
-    """`cfg` as single-line flow YAML; `config_from_yaml` reads it back to an equal Config."""
-    return yaml.safe_dump(
-        cfg.model_dump(mode="json"), default_flow_style=True, width=sys.maxsize, sort_keys=False
-    ).strip()
-
-
-def task_count(cfg: Config, rounds: int | None = None) -> int:
-    """Tasks of a run of `rounds` rounds (default: all of the config's, in one run)."""
-    shards, variant = cfg.pipeline.shards, pipeline_variant(cfg)
-    audit = {"dynamic": 5 * shards + 2, "static": 3 * shards + 1, "pointwise": 2 * shards + 1}.get(variant, 0)
-    generator = 2 * shards + 1 if variant == "dynamic" else 0
-    evaluate = 3 if split_evaluate(cfg) else 1
-    rounds = cfg.pipeline.rounds if rounds is None else rounds
-    rollbacks = min(rounds, cfg.pipeline.rounds - 1) if guard_action(cfg) == "rollback" else 0
-    return 3 + rounds * (generator + audit + 1 + evaluate) + rollbacks
-
-
-def segments(cfg: Config) -> list[tuple[int, int]]:
-    """The (first, last) rounds of each run of a chained schedule (`pipeline.rounds_per_run`); one
-    segment of all rounds when it is not set."""
-    rounds, per_run = cfg.pipeline.rounds, cfg.pipeline.rounds_per_run or cfg.pipeline.rounds
-    return [(first, min(first + per_run - 1, rounds)) for first in range(1, rounds + 1, per_run)]
-
-
-def start_parameters(cfg: Config) -> tuple[str, ...]:
-    """The pipeline parameters of a segment after the first: where P_{first-1} and (for the dynamic
-    variant, the one that trains a generator) G_{first-1} are, as paths or URIs of the previous
-    segment's final checkpoints (what the training stages' MLflow LoggedModels record). Parameters
-    rather than constants, so that a segment's package is compiled before its start exists."""
-    return ("start_policy", "start_generator") if pipeline_variant(cfg) == "dynamic" else ("start_policy",)
-
-
-def for_cluster(cfg: Config) -> bool:
-    """A package for a KFP cluster (an object-store pipeline root) rather than for kfp.local."""
-    return cfg.pipeline.pipeline_root.startswith(("s3://", "minio://", "gs://"))
-
-
-def model_plan(cfg: Config) -> dict[str, str]:
-    """Each distinct base-model reference -> what tasks load (a staged s3:// copy on a cluster)."""
-    m = cfg.models
-    if for_cluster(cfg) and not store.is_s3(cfg.pipeline.pipeline_root):
-        warnings.warn(
-            f"pipeline.pipeline_root {cfg.pipeline.pipeline_root!r}: base models are staged only under an "
-            "s3:// root; every task will fetch them itself",
-            stacklevel=2,
-        )
-    return staging_plan([m.policy, m.generator, m.verifier], cfg.pipeline.pipeline_root)
-
-
-def staged_models(cfg: Config) -> ModelsConfig:
-    """The config's model references with each replaced by what `model_plan` says tasks load."""
-    plan = model_plan(cfg)
-    roles = ("policy", "generator", "verifier")
-    return cfg.models.model_copy(update={role: plan[getattr(cfg.models, role)] for role in roles})
-
-
-def _configure(cfg: Config, stage: str) -> Callable[[dsl.PipelineTask, str], dsl.PipelineTask]:
-    """Cluster settings for one stage's tasks (pipeline.resources, else config.STAGE_FACTS).
-
-    Every task requests what it may use (CPU and memory requests equal to the limits), has a deadline,
-    and pulls with the configured secrets; GPUs, /dev/shm, node selectors and tolerations go on GPU
-    tasks only. kfp.local ignores the Kubernetes settings but honours environment variables and
-    retries, and warns task by task about CPU and memory settings, so the pod-only environment (cache
-    paths, tensor parallelism), the retries and the requests are set only when the package is for a
-    cluster (an object-store pipeline root; `dynrubric submit` refuses any other).
-    """
-    p = cfg.pipeline
-    res = task_resources(cfg, stage)
-    facts = STAGE_FACTS[stage]
-    cluster = for_cluster(cfg)
-
-    def apply(task: dsl.PipelineTask, name: str) -> dsl.PipelineTask:
-        task.set_display_name(name)
-        task.set_caching_options(p.caching)
-        if cluster:  # kfp.local would warn, task by task, that it ignores them
-            task.set_cpu_request(res.cpu).set_cpu_limit(res.cpu)
-            task.set_memory_request(res.memory).set_memory_limit(res.memory)
-        if res.timeout_s:
-            kubernetes.set_timeout(task, res.timeout_s)
-        if res.retries and cluster:
-            task.set_retry(num_retries=res.retries, **RETRY_BACKOFF)
-        if facts.model_cache:
-            # Staged weights and the hub cache on a sized scratch volume, not the container's layer.
-            kubernetes.empty_dir_mount(
-                task, volume_name="model-cache", mount_path=CACHE_MOUNT, size_limit=p.model_cache_size
-            )
-            if cluster:
-                task.set_env_variable("DYNRUBRIC_CACHE", f"{CACHE_MOUNT}/dynamicrubric")
-                task.set_env_variable("HF_HOME", f"{CACHE_MOUNT}/huggingface")
-        if res.gpus:
-            task.set_accelerator_type(p.accelerator_type).set_accelerator_limit(res.gpus)
-            # vLLM and NCCL need a large shared-memory segment
-            kubernetes.empty_dir_mount(
-                task, volume_name="dshm", mount_path="/dev/shm", medium="Memory", size_limit=p.shm_size
-            )
-            for key, value in p.node_selector.items():
-                kubernetes.add_node_selector(task, key, value)
-            for tol in p.tolerations:
-                kubernetes.add_toleration(task, **tol.model_dump(exclude_none=True))
-            if facts.inference and cluster:
-                task.set_env_variable(TENSOR_PARALLEL_ENV, str(res.gpus))
-        if p.s3_secret:
-            kubernetes.use_secret_as_env(task, p.s3_secret, {k: k for k in S3_ENV}, optional=True)
-        if p.image_pull_secrets:
-            kubernetes.set_image_pull_secrets(task, list(p.image_pull_secrets))
-        if runs_in_gvisor(cfg, stage):
-            kubernetes.add_pod_label(task, *RUNS_CODE_LABEL)
-        return task
-
-    return apply
 
 
 def build_pipeline(cfg: Config, first: int = 1, last: int | None = None):

@@ -10,7 +10,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dynamicrubric.infra.artifacts import empty_table, read_artifact, write_artifact
+from dynamicrubric.infra.artifact_kinds import empty_table
+from dynamicrubric.infra.artifacts import read_artifact, write_artifact
 from dynamicrubric.scoring.aggregate import (
     AggregateError,
     aggregate,

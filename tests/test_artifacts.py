@@ -11,8 +11,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from dynamicrubric.infra import artifacts
-from dynamicrubric.infra.artifacts import ArtifactError, read_artifact, write_artifact
+from dynamicrubric.infra import artifact_kinds, artifacts
+from dynamicrubric.infra.artifact_kinds import ArtifactError
+from dynamicrubric.infra.artifacts import read_artifact, write_artifact
 
 SAMPLES: dict[str, list[dict]] = {
     "prompts": [
@@ -146,10 +147,10 @@ SAMPLES: dict[str, list[dict]] = {
 
 
 def test_every_kind_has_a_sample():
-    assert set(SAMPLES) == set(artifacts.KINDS)
+    assert set(SAMPLES) == set(artifact_kinds.KINDS)
 
 
-@pytest.mark.parametrize("kind", sorted(artifacts.KINDS))
+@pytest.mark.parametrize("kind", sorted(artifact_kinds.KINDS))
 def test_round_trip_local(tmp_path, kind):
     uri = str(tmp_path / f"{kind}.parquet")
     written = write_artifact(uri, kind, SAMPLES[kind])
@@ -162,7 +163,7 @@ def test_round_trip_local(tmp_path, kind):
     assert read_artifact(f"file://{uri}", kind).num_rows == len(SAMPLES[kind])
 
 
-@pytest.mark.parametrize("kind", sorted(artifacts.KINDS))
+@pytest.mark.parametrize("kind", sorted(artifact_kinds.KINDS))
 def test_round_trip_s3(s3_env, kind):
     uri = f"s3://{s3_env}/run/{kind}.parquet"
     write_artifact(uri, kind, SAMPLES[kind])
@@ -224,7 +225,7 @@ BAD_INPUTS = {
         "duplicate key {'prompt_id': 'p0', 'sample_idx': 0}",
     ),
     "empty where rows required": (
-        lambda p: _raw_parquet(p, artifacts.empty_table("rollouts")),
+        lambda p: _raw_parquet(p, artifact_kinds.empty_table("rollouts")),
         "'rollouts' artifact is empty",
     ),
     "negative sample index": (
@@ -295,7 +296,7 @@ def _rubric_with_bad_item_text() -> pa.Table:
     items = table.column("items").combine_chunks()
     texts = _not_utf8(pc.struct_field(items.flatten(), "text").to_pylist())
     struct = pa.StructArray.from_arrays(
-        [texts, pc.struct_field(items.flatten(), "weight")], fields=list(artifacts.RUBRIC_ITEM)
+        [texts, pc.struct_field(items.flatten(), "weight")], fields=list(artifact_kinds.RUBRIC_ITEM)
     )
     rebuilt = pa.ListArray.from_arrays(items.offsets, struct, type=table.schema.field("items").type)
     return table.set_column(table.schema.get_field_index("items"), "items", rebuilt)

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dynamicrubric import cli, store
-from dynamicrubric.infra import artifacts
+from dynamicrubric.infra import artifact_kinds, artifacts
 from dynamicrubric.infra.artifacts import write_artifact
 
 # ---- good inputs: two arithmetic prompts, K=2 responses each, one rubric of two items per prompt
@@ -138,7 +138,10 @@ INPUTS = {stage: [k for k in GOOD if f"{{{k}}}" in args] for stage, args in STAG
 
 
 def _write_raw(path: Path, table: pa.Table, kind: str) -> str:
-    meta = {artifacts.KIND_KEY: kind.encode(), artifacts.VERSION_KEY: artifacts.SCHEMA_VERSION.encode()}
+    meta = {
+        artifact_kinds.KIND_KEY: kind.encode(),
+        artifact_kinds.VERSION_KEY: artifact_kinds.SCHEMA_VERSION.encode(),
+    }
     pq.write_table(table.replace_schema_metadata(meta), path)
     return str(path)
 
@@ -195,10 +198,10 @@ def bad_file(kind: str, how: str, folder: Path) -> str:
         return _write_raw(path, table.set_column(table.schema.get_field_index(name), name, column), kind)
     if how == "huge-id":  # a duplicated 4 MB id: the error names it, and must not echo all of it
         rows = [dict(r) for r in GOOD[kind]]
-        key = artifacts.kind(kind).keys[0]
+        key = artifact_kinds.kind(kind).keys[0]
         rows[1] = {**rows[0]}
         rows[0][key] = rows[1][key] = "x" * (4 << 20)
-        return _write_raw(path, pa.Table.from_pylist(rows, schema=artifacts.kind(kind).schema), kind)
+        return _write_raw(path, pa.Table.from_pylist(rows, schema=artifact_kinds.kind(kind).schema), kind)
     raise AssertionError(how)
 
 
@@ -213,7 +216,9 @@ FILE_PROBLEMS = [
     "wrong-kind",
 ]
 FLOAT_KINDS = [
-    k for k in GOOD if any(pa.types.is_floating(f.type) and not f.nullable for f in artifacts.kind(k).schema)
+    k
+    for k in GOOD
+    if any(pa.types.is_floating(f.type) and not f.nullable for f in artifact_kinds.kind(k).schema)
 ]
 
 
@@ -646,7 +651,7 @@ def test_validate_rejects_bad_values(kind, column, value, message, good, tmp_pat
     """These passed `validate`: a meta a scorer cannot parse, a negative index."""
     rows = [dict(r) for r in GOOD[kind]]
     rows[0][column] = value
-    table = pa.Table.from_pylist(rows, schema=artifacts.kind(kind).schema)
+    table = pa.Table.from_pylist(rows, schema=artifact_kinds.kind(kind).schema)
     bad = _write_raw(tmp_path / f"{kind}-{column}.parquet", table, kind)
     code, output = run_cli_process(["validate", good["prompts"], bad])
     line = assert_clean_failure(code, output, None, prefix="FAIL ")

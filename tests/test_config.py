@@ -3,15 +3,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from dynamicrubric.infra.config import (
-    GIB,
-    PRESETS,
-    Config,
-    ConfigError,
-    config_from_yaml,
-    disk_plan,
-    load_config,
-)
+from dynamicrubric.infra.config import GIB, PRESETS, Config, ConfigError, disk_plan
+from dynamicrubric.infra.config_loading import config_from_yaml, load_config
 from dynamicrubric.infra.config_sections import quantity_bytes
 
 

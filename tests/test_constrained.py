@@ -8,7 +8,7 @@ import pytest
 
 from dynamicrubric.engines import HFEngine, constrained
 from dynamicrubric.infra.artifacts import read_frame, write_artifact
-from dynamicrubric.infra.config import load_config
+from dynamicrubric.infra.config_loading import load_config
 from dynamicrubric.scoring.prompts import parse_rubric
 from dynamicrubric.scoring.rubrics import TRUNCATED, run_rubrics
 

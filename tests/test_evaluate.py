@@ -29,7 +29,7 @@ from dynamicrubric.evaluation.metrics import (
 )
 from dynamicrubric.evaluation.plots import PLOT_NAMES, write_plots
 from dynamicrubric.infra.artifacts import read_artifact, read_frame, write_artifact
-from dynamicrubric.infra.config import load_config
+from dynamicrubric.infra.config_loading import load_config
 
 D2, D3 = 1 / math.log2(3), 1 / math.log2(4)  # discounts of positions 2 and 3 (position 1: 1.0)
 

@@ -22,7 +22,8 @@ from planted_engines import (
 from dynamicrubric.evaluation.evaluate import run_evaluate
 from dynamicrubric.evaluation.guard import MASTER_KEYS, canary_responses, measure, shuffled_order
 from dynamicrubric.infra.artifacts import read_frame, write_artifact
-from dynamicrubric.infra.config import GuardConfig, load_config
+from dynamicrubric.infra.config import GuardConfig
+from dynamicrubric.infra.config_loading import load_config
 
 GUARD = GuardConfig(bootstrap=200)
 
@@ -305,7 +306,8 @@ def _verdict(tmp_path, healthy: bool) -> str:
 
 @pytest.mark.parametrize("healthy", [True, False])
 def test_the_rollback_stage_names_the_rounds_checkpoints_or_its_start(tmp_path, healthy) -> None:
-    from dynamicrubric.infra.models import REFERENCE_FILE, follow_reference, resolve_model
+    from dynamicrubric.infra.model_references import REFERENCE_FILE, follow_reference
+    from dynamicrubric.infra.models import resolve_model
     from dynamicrubric.stages.declarations import STAGES
     from dynamicrubric.stages.runner import execute
 
@@ -342,7 +344,8 @@ def test_the_rollback_stage_names_the_rounds_checkpoints_or_its_start(tmp_path, 
 
 def test_a_reference_folder_is_followed_on_s3_and_a_broken_one_is_refused(s3_env, tmp_path) -> None:
     from dynamicrubric import store
-    from dynamicrubric.infra.models import REFERENCE_FILE, ModelError, follow_reference, write_reference
+    from dynamicrubric.infra.model_references import REFERENCE_FILE, follow_reference, write_reference
+    from dynamicrubric.infra.models import ModelError
 
     uri = f"s3://{s3_env}/refs/policy"
     write_reference(uri, "s3://elsewhere/checkpoint")

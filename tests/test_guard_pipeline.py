@@ -18,7 +18,7 @@ import pytest
 
 from dynamicrubric.engines import TEST_ENGINES_ENV
 from dynamicrubric.infra import tracking
-from dynamicrubric.infra.config import load_config
+from dynamicrubric.infra.config_loading import load_config
 from dynamicrubric.infra.models import resolve_model
 
 PLANTED = Path(__file__).with_name("planted_engines.py")

@@ -15,12 +15,10 @@ import pytest
 import yaml
 from test_manifests import MANIFESTS, kustomize, schema_errors
 
-from dynamicrubric.infra.config import STAGE_FACTS, load_config
-from dynamicrubric.pipelines.co_evolution import (
-    RUNS_CODE_LABEL,
-    compile_pipeline,
-    runs_in_gvisor,
-)
+from dynamicrubric.infra.config import STAGE_FACTS
+from dynamicrubric.infra.config_loading import load_config
+from dynamicrubric.pipelines.co_evolution import compile_pipeline
+from dynamicrubric.pipelines.task_settings import RUNS_CODE_LABEL, runs_in_gvisor
 
 GVISOR = MANIFESTS / "cluster" / "gvisor"
 

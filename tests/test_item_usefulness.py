@@ -21,8 +21,9 @@ from dynamicrubric.evaluation.item_usefulness import (
     normalise_text,
     summarise,
 )
-from dynamicrubric.infra.artifacts import ArtifactError, read_artifact, read_frame, to_table, write_artifact
-from dynamicrubric.infra.config import load_config
+from dynamicrubric.infra.artifact_kinds import ArtifactError
+from dynamicrubric.infra.artifacts import read_artifact, read_frame, to_table, write_artifact
+from dynamicrubric.infra.config_loading import load_config
 from dynamicrubric.stages.runner import execute, start_tracking
 from dynamicrubric.stages.spec import Data, Stage
 

@@ -10,7 +10,7 @@ import pytest
 
 from dynamicrubric.engines import HFEngine
 from dynamicrubric.infra.artifacts import read_frame, write_artifact
-from dynamicrubric.infra.config import load_config
+from dynamicrubric.infra.config_loading import load_config
 from dynamicrubric.scoring.aggregate import AggregateError, aggregate
 from dynamicrubric.scoring.judge import iter_judge_requests, judge_table, run_judge
 from dynamicrubric.scoring.prompts import JUDGE_ITEM_QUESTION, judge_context, split_chat_prompt

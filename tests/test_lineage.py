@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamicrubric.infra import tracking
+from dynamicrubric.infra import tracking, tracking_runs
 from dynamicrubric.stages.declarations import STAGES
 
 BOOKKEEPING = {
@@ -252,15 +252,15 @@ def test_the_parent_and_round_runs_span_their_tasks(tiny_run, walked, monkeypatc
 def test_a_killed_attempts_run_is_marked_failed(tmp_path, monkeypatch):
     """A task killed while it logged leaves its run RUNNING; the retried task's run marks it FAILED,
     so only the retry's run reads as the task's result."""
-    from dynamicrubric.infra.config import load_config
+    from dynamicrubric.infra.config_loading import load_config
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config(
         preset="tiny", overrides={"pipeline": {"mlflow_tracking_uri": f"sqlite:///{tmp_path}/m.db"}}
     )
-    tracking.start_pipeline_run(cfg, "run-x", rounds=1)
+    tracking_runs.start_pipeline_run(cfg, "run-x", rounds=1)
     mlflow = tracking._mlflow(cfg)
-    with pytest.raises(KeyboardInterrupt), tracking.stage_run(cfg, "run-x", 1, "judge-0"):
+    with pytest.raises(KeyboardInterrupt), tracking_runs.stage_run(cfg, "run-x", 1, "judge-0"):
         raise KeyboardInterrupt  # stands in for the kill: mlflow ends the run on an exception...
     client = mlflow.MlflowClient()
     (killed,) = client.search_runs(
@@ -268,11 +268,11 @@ def test_a_killed_attempts_run_is_marked_failed(tmp_path, monkeypatch):
         filter_string=f"tags.`{tracking.STAGE_TAG}` = 'judge-0'",
     )
     client.update_run(killed.info.run_id, status="RUNNING")  # ...which a SIGKILL never lets it do
-    with tracking.stage_run(cfg, "run-x", 1, "judge-0") as retry:
+    with tracking_runs.stage_run(cfg, "run-x", 1, "judge-0") as retry:
         retry.log_metrics({"judgments": 1})
     assert client.get_run(killed.info.run_id).info.status == "FAILED"
     assert client.get_run(retry.run_id).info.status == "FINISHED"
-    assert client.get_run(retry.run_id).info.start_time <= tracking.process_started() * 1000 + 1
+    assert client.get_run(retry.run_id).info.start_time <= tracking_runs.process_started() * 1000 + 1
 
 
 @pytest.mark.parametrize(
@@ -299,25 +299,25 @@ def test_parallel_first_tasks_leave_one_round_run_from_the_earliest_start(tmp_pa
     """Two first tasks of a round that each created its round run (they looked at the same time): the
     next look keeps the one that started earliest, moves the other's stage runs under it, deletes
     it, and the kept run ends with the last stage run."""
-    from dynamicrubric.infra.config import load_config
+    from dynamicrubric.infra.config_loading import load_config
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config(
         preset="tiny", overrides={"pipeline": {"mlflow_tracking_uri": f"sqlite:///{tmp_path}/m.db"}}
     )
-    parent_id = tracking.start_pipeline_run(cfg, "run-p", rounds=1)
+    parent_id = tracking_runs.start_pipeline_run(cfg, "run-p", rounds=1)
     client = tracking.mlflow_client(cfg)
     experiment = client.get_run(parent_id).info.experiment_id
-    assert tracking._round_run(client, experiment, parent_id, 1, start_ms=2_000_000)
+    assert tracking_runs._round_run(client, experiment, parent_id, 1, start_ms=2_000_000)
     # a task that started earlier than the round run it finds makes one of its own, which is kept
-    early = tracking._round_run(client, experiment, parent_id, 1, start_ms=1_000_000)
+    early = tracking_runs._round_run(client, experiment, parent_id, 1, start_ms=1_000_000)
     # two tasks that looked at once (neither saw the other's round run): the later one's has a stage
     tags = {tracking.ROUND_TAG: "1", "mlflow.parentRunId": parent_id}
     late = client.create_run(experiment, start_time=1_500_000, tags=tags).info.run_id
     client.set_terminated(late, end_time=1_500_000)
     stage = client.create_run(experiment, start_time=2_000_000, tags={"mlflow.parentRunId": late})
     client.set_terminated(stage.info.run_id, end_time=3_000_000)
-    assert tracking._round_run(client, experiment, parent_id, 1, start_ms=2_500_000) == early
+    assert tracking_runs._round_run(client, experiment, parent_id, 1, start_ms=2_500_000) == early
     assert client.get_run(stage.info.run_id).data.tags["mlflow.parentRunId"] == early
     assert client.get_run(late).info.lifecycle_stage == "deleted"
     kept = client.get_run(early).info
@@ -326,7 +326,7 @@ def test_parallel_first_tasks_leave_one_round_run_from_the_earliest_start(tmp_pa
     # run's end moves no deleted run (MLflow refuses to update one), and its next look moves it
     stale = client.create_run(experiment, start_time=2_000_000, tags={"mlflow.parentRunId": late})
     client.set_terminated(stale.info.run_id, end_time=4_000_000)
-    tracking.extend_spans(client, stale.info.run_id, 4_000_000)
+    tracking_runs.extend_spans(client, stale.info.run_id, 4_000_000)
     assert client.get_run(late).info.end_time != 4_000_000
 
 

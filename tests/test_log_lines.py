@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from dynamicrubric.localrun.task_monitor import PROGRESS_LINE
-from dynamicrubric.pipelines.co_evolution import task_count
+from dynamicrubric.pipelines.run_plan import task_count
 
 TASK_LINE = re.compile(r"^\d\d:\d\d:\d\d done   (setup|r\d+) .+ +\d+\.\ds\b")
 # the round table (a line per round) and the guard's block (the same), their legend and where things are
@@ -121,9 +121,9 @@ def test_a_failing_task_shows_its_error(tmp_path):
 def test_fresh_takes_a_new_run_name():
     """--fresh: every task's cache key includes the run name, so a new name reuses nothing."""
     from dynamicrubric.cli import build_parser
-    from dynamicrubric.infra.config import load_config
+    from dynamicrubric.infra.config_loading import load_config
     from dynamicrubric.localrun.launch import fresh_run_name
-    from dynamicrubric.pipelines.co_evolution import default_run_name
+    from dynamicrubric.pipelines.run_plan import default_run_name
 
     cfg = load_config(preset="tiny")
     assert fresh_run_name(cfg).startswith(default_run_name(cfg) + "-")

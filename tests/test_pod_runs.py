@@ -14,7 +14,7 @@ from pod_launcher import S3_MOUNT, PodLauncher, pod_isolation_problem, stage_cac
 
 from dynamicrubric import store
 from dynamicrubric.infra import tracking
-from dynamicrubric.infra.config import load_config
+from dynamicrubric.infra.config_loading import load_config
 from dynamicrubric.localrun import launch, task_monitor
 
 pytestmark = pytest.mark.skipif(pod_isolation_problem() is not None, reason=str(pod_isolation_problem()))

@@ -12,7 +12,7 @@ import pytest
 
 from dynamicrubric.infra import tracking
 from dynamicrubric.infra.artifacts import read_frame, write_artifact
-from dynamicrubric.infra.config import load_config
+from dynamicrubric.infra.config_loading import load_config
 from dynamicrubric.infra.models import prepare_model
 from dynamicrubric.scoring.rollout import run_rollout
 from dynamicrubric.stages.declarations import STAGES

@@ -14,7 +14,7 @@ from dynamicrubric import store
 from dynamicrubric.engines import load_engine
 from dynamicrubric.infra import sandbox
 from dynamicrubric.infra.artifacts import read_frame
-from dynamicrubric.infra.config import load_config
+from dynamicrubric.infra.config_loading import load_config
 from dynamicrubric.scoring.aggregate import AggregateError
 from dynamicrubric.tasks import load_prompts
 from dynamicrubric.training.generator_rewards import GeneratorRewards
@@ -219,7 +219,8 @@ def test_the_verifier_judges_only_the_kept_items_and_its_calls_halve(tmp_path):
     """V (tiny-random, its questions counted as it answers them) is asked half as many questions at
     item_dropout 0.5, the same kept items for every response of a group; the score is Σ w·v / Σ w over
     the kept items with their weights as written, and the artifacts validate and aggregate again."""
-    from dynamicrubric.infra.artifacts import ArtifactError, write_artifact
+    from dynamicrubric.infra.artifact_kinds import ArtifactError
+    from dynamicrubric.infra.artifacts import write_artifact
     from dynamicrubric.scoring.aggregate import aggregate
     from dynamicrubric.scoring.judge import judge_rollouts
 

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from dynamicrubric.engines import load_engine
-from dynamicrubric.infra.config import load_config
+from dynamicrubric.infra.config_loading import load_config
 from dynamicrubric.scoring.prompts import dynamic_rubric_prompt, response_order
 from dynamicrubric.scoring.rubrics import generate_rubrics, generator_messages, rubric_requests
 from dynamicrubric.training.data import evaluator_dataset

@@ -25,7 +25,7 @@ import pandas as pd
 import pytest
 
 from dynamicrubric.evaluation.plots import TRACED_SETS
-from dynamicrubric.infra import tracking
+from dynamicrubric.infra import tracking, tracking_records
 from dynamicrubric.localrun.run_page import PAGE_NAME
 
 CHROMIUM_FLAGS = [
@@ -247,7 +247,7 @@ def test_the_evaluate_stage_traces_through_an_mlflow_server(tiny_run, served, tm
             labelled = [r for r in s["responses"] if r["gold"]]
             assert len(gold) == len(labelled)
             for a in gold:
-                assert a.name == tracking.GOLD_NAME
+                assert a.name == tracking_records.GOLD_NAME
                 (r,) = [r for r in labelled if str(r["sample_idx"]) == a.metadata["sample_idx"]]
                 assert a.expectation.value == r["gold"]
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
@@ -271,7 +271,7 @@ def test_a_failed_verdict_is_traced_and_shown_as_failed_never_as_zero(tmp_path, 
 
     from dynamicrubric.evaluation.probe import EvalJob as _EvalJob
     from dynamicrubric.evaluation.traced_sets import traced_sets
-    from dynamicrubric.localrun.run_page import _sample_set
+    from dynamicrubric.localrun.run_page_sections import _sample_set
 
     rollouts = pd.DataFrame(
         {
@@ -326,7 +326,9 @@ def test_a_failed_verdict_is_traced_and_shown_as_failed_never_as_zero(tmp_path, 
     try:
         experiment = mlflow.create_experiment("traces", artifact_location=(tmp_path / "a").as_uri())
         with mlflow.start_run(experiment_id=experiment) as run:
-            (trace_id,) = tracking.log_traced_sets(tracking.StageRun(mlflow, run.info.run_id), [s], 1)
+            (trace_id,) = tracking_records.log_traced_sets(
+                tracking_records.StageRun(mlflow, run.info.run_id), [s], 1
+            )
         trace = mlflow.MlflowClient().get_trace(trace_id)
     finally:
         mlflow.set_tracking_uri(before)

@@ -17,12 +17,12 @@ from vllm_standin import serving
 from dynamicrubric.cli import describe_error
 from dynamicrubric.engines import ServedError, ServerEngine
 from dynamicrubric.infra.artifacts import read_frame
-from dynamicrubric.infra.config import load_config
+from dynamicrubric.infra.config_loading import load_config
 from dynamicrubric.infra.models import resolve_model
 from dynamicrubric.training.generator_rewards import GeneratorRewards
 from dynamicrubric.training.launcher import launch_error
 from dynamicrubric.training.policy_reward import PolicyReward
-from dynamicrubric.training.reward_common import RewardError
+from dynamicrubric.training.reward_parts import RewardError
 from tests_vllm.vllm_faults import every, first, in_turn, is_generator, is_judge
 
 QUESTIONS = {"q-add": "What is 7 + 5?", "q-sub": "What is 9 - 4?", "q-mul": "What is 3 * 3?"}
@@ -441,7 +441,7 @@ import json, os, sys, time
 from datetime import timedelta
 from types import SimpleNamespace
 from accelerate import PartialState
-from dynamicrubric.infra.config import config_from_yaml
+from dynamicrubric.infra.config_loading import config_from_yaml
 from dynamicrubric.training import cpu_waits
 from dynamicrubric.training.policy_reward import PolicyReward
 state = PartialState(cpu=True)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from dynamicrubric.infra.config import ConfigError, load_config
+from dynamicrubric.infra.config import ConfigError
+from dynamicrubric.infra.config_loading import load_config
 from dynamicrubric.infra.serving import ServerError, VLLMServer, free_port, reward_gpu_split, reward_servers
 
 STAND_IN = """
@@ -174,7 +175,7 @@ import json, sys
 from datetime import timedelta
 from accelerate import PartialState
 from dynamicrubric.training import cpu_waits
-from dynamicrubric.training.reward_common import Scored, score_by_groups as _score_by_groups
+from dynamicrubric.training.reward_parts import Scored, score_by_groups as _score_by_groups
 state = PartialState(cpu=True)
 cpu_waits.init(timedelta(minutes=5))  # as the trainer does once the process group exists
 rank = state.process_index
@@ -219,7 +220,7 @@ def test_with_served_models_each_node_s_first_process_scores_its_node_s_share() 
     """Who scores which groups (each rank's torchrun GROUP_RANK in): on two nodes of two processes each,
     group g is node g % 2's, sent by the node's first process (ranks 0 and 2); on one node rank 0 sends
     all; in-process models: every process its world-th groups, each in its rank-R folder."""
-    from dynamicrubric.training.reward_common import _split
+    from dynamicrubric.training.reward_parts import _split
 
     assert _split(True, [0, 0, 1, 1], 5) == ([0, 1, 0, 1, 0], {0: 0, 1: 2}, "node")
     assert _split(True, [0, 0], 3) == ([0, 0, 0], {0: 0}, "rank")
@@ -229,7 +230,7 @@ def test_with_served_models_each_node_s_first_process_scores_its_node_s_share() 
 def test_a_step_scored_in_parts_logs_the_step_s_counts_not_their_mean() -> None:
     """TRL averages what each process logs; a step in parts is logged once, its parts combined: request
     and group counts add up, a time is the slowest part's, a rate is weighted by the parts' groups."""
-    from dynamicrubric.training.reward_common import combined_metrics
+    from dynamicrubric.training.reward_parts import combined_metrics
 
     names = ("judge/calls_ok", "rewards/failed_groups", "time/judge_s", "judge/yes_rate")
     parts = [

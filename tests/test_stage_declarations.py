@@ -12,7 +12,8 @@ from kfp import dsl
 from dynamicrubric import cli
 from dynamicrubric.infra import tracking
 from dynamicrubric.infra.artifacts import read_frame, write_artifact
-from dynamicrubric.infra.config import STAGE_FACTS, load_config
+from dynamicrubric.infra.config import STAGE_FACTS
+from dynamicrubric.infra.config_loading import load_config
 from dynamicrubric.stages import kfp_source
 from dynamicrubric.stages.data_stages import ROLLOUT
 from dynamicrubric.stages.declarations import STAGES

@@ -8,7 +8,7 @@ import pytest
 from dynamicrubric import cli
 from dynamicrubric.engines import load_engine
 from dynamicrubric.infra.artifacts import read_artifact, read_frame, write_artifact
-from dynamicrubric.infra.config import load_config
+from dynamicrubric.infra.config_loading import load_config
 from dynamicrubric.scoring.judge import run_judge
 from dynamicrubric.scoring.rubrics import run_rubrics
 

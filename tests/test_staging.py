@@ -84,7 +84,7 @@ def test_incomplete_staged_copy_is_refused(s3_env, tmp_path, monkeypatch):
 def test_the_context_check_of_a_staged_model_fetches_no_weights(s3_env, tmp_path, monkeypatch):
     """A training task checks its prompts against the model's context before it launches: from the
     config and tokenizer alone, not a download of the whole staged model into the task's pod."""
-    from dynamicrubric.infra.config import load_config
+    from dynamicrubric.infra.config_loading import load_config
     from dynamicrubric.training.data import check_context
 
     uri = f"s3://{s3_env}/models/tiny"

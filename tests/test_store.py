@@ -245,7 +245,7 @@ def test_stage_survives_a_store_restart_during_its_write(tmp_path, monkeypatch):
     """The server is killed as the stage starts writing its outputs and comes back 3 s later, on the same
     ports and data: the write waits it out within the retry budget and the stage finishes."""
     from dynamicrubric.infra.artifacts import read_frame
-    from dynamicrubric.infra.config import load_config
+    from dynamicrubric.infra.config_loading import load_config
     from dynamicrubric.stages.runner import run_stage
 
     server = SeaweedS3(tmp_path / "weed").start()

@@ -11,8 +11,8 @@ import pytest
 from bench import study
 from dynamicrubric import tasks
 from dynamicrubric.infra.artifacts import write_artifact
-from dynamicrubric.infra.config import preset_dict
-from dynamicrubric.pipelines.co_evolution import pipeline_variant
+from dynamicrubric.infra.config_loading import preset_dict
+from dynamicrubric.pipelines.run_plan import pipeline_variant
 
 
 @pytest.mark.parametrize("variant", sorted(study.VARIANTS))

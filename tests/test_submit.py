@@ -25,9 +25,12 @@ from google.protobuf import json_format
 from kfp_standin import KfpStandIn, ParsedPipeline, parse_package
 
 from dynamicrubric import cli
-from dynamicrubric.infra import tracking
-from dynamicrubric.infra.config import STAGE_FACTS, TENSOR_PARALLEL_ENV, config_from_yaml, load_config
-from dynamicrubric.pipelines.co_evolution import CACHE_MOUNT, MAX_PACKAGE_BYTES, S3_ENV, task_count
+from dynamicrubric.infra import tracking, tracking_runs
+from dynamicrubric.infra.config import STAGE_FACTS, TENSOR_PARALLEL_ENV
+from dynamicrubric.infra.config_loading import config_from_yaml, load_config
+from dynamicrubric.pipelines.co_evolution import MAX_PACKAGE_BYTES
+from dynamicrubric.pipelines.run_plan import task_count
+from dynamicrubric.pipelines.task_settings import CACHE_MOUNT, S3_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 # The committed packages and the command that regenerates each from the repository root.
@@ -584,11 +587,11 @@ class ClusterStandIn:
         params = run.body["runtime_config"]["parameters"]
         first, last = map(int, re.fullmatch(r".*-rounds-(\d+)-(\d+)", name).groups())
         run_name = params["run_name"]
-        tracking.start_pipeline_run(self.cfg, run_name, self.cfg.pipeline.rounds, join=first > 1)
+        tracking_runs.start_pipeline_run(self.cfg, run_name, self.cfg.pipeline.rounds, join=first > 1)
         root = f"{run.body['runtime_config']['pipeline_root']}/{run.response['run_id']}"
         for t in range(first, last + 1):
             for stage, role in (("train-evaluator", "generator"), ("train-policy", "policy")):
-                with tracking.stage_run(self.cfg, run_name, t, stage) as stage_run:
+                with tracking_runs.stage_run(self.cfg, run_name, t, stage) as stage_run:
                     uri = f"{root}/r{t}-{stage}/{role}"
                     stage_run.log_model(run_name, f"{role}-round-{t}", uri)
                     self.recorded[f"{role}-round-{t}"] = uri

@@ -74,7 +74,7 @@ def test_cpu_time_and_peak_memory_cover_the_processes_a_task_waits_for(tmp_path)
 
 
 def test_the_legend_says_how_to_read_a_135m_run():
-    from dynamicrubric.infra.config import load_config
+    from dynamicrubric.infra.config_loading import load_config
     from dynamicrubric.localrun.round_table import format_legend
 
     rows = [{"mean_gap": 0.01, "tie_rate": 0.5}]

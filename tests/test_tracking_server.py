@@ -16,9 +16,9 @@ from mlflow import MlflowClient
 from mlflow_server import MLFLOW_BUCKET
 
 from dynamicrubric import store
-from dynamicrubric.infra import tracking
+from dynamicrubric.infra import tracking, tracking_runs
 from dynamicrubric.infra.artifacts import write_artifact
-from dynamicrubric.infra.config import load_config
+from dynamicrubric.infra.config_loading import load_config
 
 PROMPTS = [
     {
@@ -66,7 +66,7 @@ def _children(client: MlflowClient, run_id: str) -> list:
 
 def test_run_tree_parent_rounds_and_stages(cfg, client):
     run_name = "tree-run"
-    parent_id = tracking.start_pipeline_run(cfg, run_name, rounds=2)
+    parent_id = tracking_runs.start_pipeline_run(cfg, run_name, rounds=2)
     assert tracking.tracking_uri(cfg).startswith("http://127.0.0.1:")
 
     parent = client.get_run(parent_id)
@@ -79,9 +79,9 @@ def test_run_tree_parent_rounds_and_stages(cfg, client):
 
     # a round's run is made by its first task, started with it (MLflow cannot move a start later)
     assert _children(client, parent_id) == []
-    with tracking.stage_run(cfg, run_name, 2, "policy-rollout") as stage:
+    with tracking_runs.stage_run(cfg, run_name, 2, "policy-rollout") as stage:
         stage.log_metrics({"reward_mean": 0.25, "responses": 12, "truncated": True})
-    with tracking.stage_run(cfg, run_name, 0, "prepare-data") as prep:
+    with tracking_runs.stage_run(cfg, run_name, 0, "prepare-data") as prep:
         pass
     rounds = {
         r.data.tags[tracking.ROUND_TAG]: r
@@ -100,15 +100,15 @@ def test_run_tree_parent_rounds_and_stages(cfg, client):
     assert client.get_run(prep.run_id).data.tags["mlflow.parentRunId"] == parent_id
 
     missing = pytest.raises(RuntimeError, match="no parent run for pipeline run 'never-started'")
-    with missing, tracking.stage_run(cfg, "never-started", 1, "rollout"):
+    with missing, tracking_runs.stage_run(cfg, "never-started", 1, "rollout"):
         pass
 
 
 def test_artifact_dataset_input_has_its_s3_source(cfg, client, s3_env):
     uri = f"s3://{s3_env}/runs/lineage/train_prompts.parquet"
     write_artifact(uri, "prompts", PROMPTS)
-    tracking.start_pipeline_run(cfg, "dataset-run", rounds=1)
-    with tracking.stage_run(cfg, "dataset-run", 1, "generator-rollout") as stage:
+    tracking_runs.start_pipeline_run(cfg, "dataset-run", rounds=1)
+    with tracking_runs.stage_run(cfg, "dataset-run", 1, "generator-rollout") as stage:
         stage.log_artifact_dataset(uri, "prompts", "input")
 
     (logged,) = client.get_run(stage.run_id).inputs.dataset_inputs
@@ -125,8 +125,8 @@ def test_artifact_dataset_input_has_its_s3_source(cfg, client, s3_env):
 
 def test_checkpoint_is_a_logged_model_pointing_at_its_uri(cfg, client):
     ckpt = "s3://checkpoints/runs/model-run/round-1/policy"
-    tracking.start_pipeline_run(cfg, "model-run", rounds=1)
-    with tracking.stage_run(cfg, "model-run", 1, "train-policy") as stage:
+    tracking_runs.start_pipeline_run(cfg, "model-run", rounds=1)
+    with tracking_runs.stage_run(cfg, "model-run", 1, "train-policy") as stage:
         model_id = stage.log_model("model-run", "policy-r1", ckpt, {"round": 1, "base": "tiny-random"})
         assert stage.find_model("model-run", "policy-r1") == model_id
         assert stage.find_model("other-run", "policy-r1") is None
@@ -162,8 +162,8 @@ def test_plots_go_through_the_artifact_proxy_into_the_bucket(
     png = (plots / "accuracy.png").read_bytes()
     assert png.startswith(b"\x89PNG")
 
-    tracking.start_pipeline_run(cfg, "plot-run", rounds=1)
-    with tracking.stage_run(cfg, "plot-run", 1, "evaluate") as stage:
+    tracking_runs.start_pipeline_run(cfg, "plot-run", rounds=1)
+    with tracking_runs.stage_run(cfg, "plot-run", 1, "evaluate") as stage:
         stage.log_dir(str(plots), "plots")
 
     run = client.get_run(stage.run_id)

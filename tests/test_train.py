@@ -24,8 +24,9 @@ from safetensors.torch import load_file
 
 from dynamicrubric import store, tasks
 from dynamicrubric.engines import load_engine
-from dynamicrubric.infra.artifacts import empty_table, read_frame, write_artifact
-from dynamicrubric.infra.config import load_config
+from dynamicrubric.infra.artifact_kinds import empty_table
+from dynamicrubric.infra.artifacts import read_frame, write_artifact
+from dynamicrubric.infra.config_loading import load_config
 from dynamicrubric.infra.models import resolve_model
 from dynamicrubric.scoring.rollout import policy_prompt
 from dynamicrubric.training import checkpoints, data, grpo, launcher

@@ -44,7 +44,7 @@ def test_launch_command_has_cpu_only_without_cuda(monkeypatch: pytest.MonkeyPatc
 def test_cpu_training_processes_return_their_large_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CPU the trainers get a fixed mmap threshold (the default run's peak memory, see
     CPU_MMAP_THRESHOLD); a user's own setting and the config's thread count are kept; not on a GPU."""
-    from dynamicrubric.infra.config import load_config
+    from dynamicrubric.infra.config_loading import load_config
 
     tcfg = load_config(preset="tiny").train_policy  # torch_threads: 1
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

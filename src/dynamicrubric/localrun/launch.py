@@ -1,7 +1,7 @@
 """Run the pipeline locally with kfp.local, compile it, or submit it to a Kubeflow Pipelines host.
 
 A schedule with `pipeline.rounds_per_run` is a chain of runs, one per segment of rounds
-(co_evolution.segments), so that no run's Argo Workflow object nears Argo's 1 MiB limit. Each segment
+(run_plan.segments), so that no run's Argo Workflow object nears Argo's 1 MiB limit. Each segment
 after the first starts from the previous one's final policy and generator, found in MLflow (the
 LoggedModels the training stages log), and every segment runs under the same run name, so MLflow
 keeps one parent run for the chain. Locally the segments run one after another; on a cluster
@@ -23,7 +23,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dynamicrubric.infra import tracking
+from dynamicrubric.infra import tracking, tracking_runs
 from dynamicrubric.infra.config import Config
 from dynamicrubric.localrun.task_monitor import TaskMonitor, write_index
 
@@ -53,7 +53,7 @@ class LocalRun:
 
 def fresh_run_name(cfg: Config) -> str:
     """A run name no earlier run used: every task's cache key includes it, so nothing is reused."""
-    from dynamicrubric.pipelines.co_evolution import default_run_name
+    from dynamicrubric.pipelines.run_plan import default_run_name
 
     return f"{default_run_name(cfg)}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -67,7 +67,8 @@ def run_local(cfg: Config, *, verbose: bool = False, fresh: bool = False) -> Loc
     """
     from kfp import local
 
-    from dynamicrubric.pipelines.co_evolution import build_pipeline, default_run_name, segments
+    from dynamicrubric.pipelines.co_evolution import build_pipeline
+    from dynamicrubric.pipelines.run_plan import default_run_name, segments
 
     root = check_before_launch(cfg)
     chain = segments(cfg)
@@ -106,7 +107,7 @@ def run_local(cfg: Config, *, verbose: bool = False, fresh: bool = False) -> Loc
             monitor.starter.stop()
     result = LocalRun(run_name, tracking.find_pipeline_run(cfg, run_name) or "", monitor.tasks)
     if result.parent_run_id:
-        tracking.settle_spans(cfg, result.parent_run_id)
+        tracking_runs.settle_spans(cfg, result.parent_run_id)
     result.run_dirs, result.index_files = write_index(root, monitor.tasks)
     return result
 
@@ -146,14 +147,14 @@ def check_before_launch(cfg: Config) -> Path:
 
 
 def segment_start(cfg: Config, run_name: str, last: int) -> dict[str, str]:
-    """The start parameters of the segment after round `last` (co_evolution.start_parameters): round
+    """The start parameters of the segment after round `last` (run_plan.start_parameters): round
     `last`'s policy and generator checkpoints as MLflow records them. {} where the run stopped: round
     `last` never ran (the early-stop rule inside a segment skipped it) or its audit tie rate is at
     `pipeline.early_stop_tie_rate` (the rule that one long run would have applied after it), or the
     signal guard fired with `guard.action` stop. With `guard.action` rollback the start is what round
     `last`'s rollback task chose. A round that ran but whose checkpoints MLflow lacks is an error: the
     chain cannot go on."""
-    from dynamicrubric.pipelines.co_evolution import guard_action, pipeline_variant, start_parameters
+    from dynamicrubric.pipelines.run_plan import guard_action, pipeline_variant, start_parameters
 
     # With guard.action rollback, round `last`'s rollback task chose the next start (its own checkpoints
     # or the last healthy round's) and logged it as "<role>-start-round-<last+1>".
@@ -224,7 +225,8 @@ def compile_to(cfg: Config, out: str) -> list[str]:
     """Compile the pipeline to `out`, or one package per segment of a chained schedule
     (`package_paths`); return the paths. A package over MAX_PACKAGE_BYTES is refused with the
     `pipeline.rounds_per_run` that fits."""
-    from dynamicrubric.pipelines.co_evolution import MAX_PACKAGE_BYTES, compile_pipeline, segments
+    from dynamicrubric.pipelines.co_evolution import MAX_PACKAGE_BYTES, compile_pipeline
+    from dynamicrubric.pipelines.run_plan import segments
 
     chain = segments(cfg)
     paths = package_paths(out, chain)
@@ -286,7 +288,7 @@ def submit(
     resumes a chain."""
     import kfp
 
-    from dynamicrubric.pipelines.co_evolution import default_run_name, segments
+    from dynamicrubric.pipelines.run_plan import default_run_name, segments
 
     if not cfg.pipeline.pipeline_root.startswith(("s3://", "minio://", "gs://")):
         raise LaunchError(

@@ -138,7 +138,7 @@ def _with_n(metrics: dict, key: str, n_key: str, counted: str = "") -> tuple[flo
 
 
 def _main_variant(cfg: Config) -> str:
-    from dynamicrubric.pipelines.co_evolution import pipeline_variant
+    from dynamicrubric.pipelines.run_plan import pipeline_variant
 
     return pipeline_variant(cfg)
 
@@ -221,7 +221,7 @@ def report(cfg: Config, result: LocalRun, page: str = "") -> str:
     """What `dynrubric run` prints at the end: the round table with its legend, where everything is
     (`page`: the run report page), and whether anything ran at all."""
     from dynamicrubric.evaluation.probe import ACTION_WORDS
-    from dynamicrubric.pipelines.co_evolution import guard_action
+    from dynamicrubric.pipelines.run_plan import guard_action
 
     rows = round_table(cfg, result.parent_run_id)
     out = ["", format_table(rows), "", "Legend:", format_legend(rows, cfg), ""]

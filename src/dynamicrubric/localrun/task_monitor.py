@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from dynamicrubric.infra import logs, tracking
+from dynamicrubric.infra import logs, tracking_runs
 from dynamicrubric.infra.config import STAGE_FACTS
 from dynamicrubric.localrun.task_processes import TaskStarter
 
@@ -246,7 +246,7 @@ class TaskMonitor:
             share = {"OMP_NUM_THREADS": str(entry["threads"])}
         started = time.monotonic()
         env = {**os.environ, **share, **(env_vars or {}), logs.SUMMARY_ENV: "1"}
-        env[tracking.TASK_STARTED_ENV] = repr(time.time())  # the stage run starts with the task's time
+        env[tracking_runs.TASK_STARTED_ENV] = repr(time.time())  # the stage run starts with the task's time
         numbers: dict = {}
         tty = self.err.isatty()
         last_bar = 0.0
@@ -280,7 +280,7 @@ class TaskMonitor:
         run_id = numbers.pop(logs.RUN_KEY, None)
         if code == 0 and run_id and self.tracking_uri:
             try:
-                tracking.end_stage_run_at(self.tracking_uri, str(run_id), time.time())
+                tracking_runs.end_stage_run_at(self.tracking_uri, str(run_id), time.time())
             except Exception as e:  # the task's result stands; only its run's end time is off
                 log.warning("MLflow: could not move the end of run %s to its task's exit: %s", run_id, e)
         entry["seconds"] = round(seconds, 1)

@@ -12,7 +12,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dynamicrubric.infra.artifacts import JUDGED_ITEMS, kind
+from dynamicrubric.infra.artifact_kinds import JUDGED_ITEMS, kind
 
 log = logging.getLogger(__name__)
 

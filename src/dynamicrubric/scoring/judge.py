@@ -29,7 +29,8 @@ import pandas as pd
 import pyarrow as pa
 
 from dynamicrubric.engines import Engine, load_engine, progress_bar, prompts_named
-from dynamicrubric.infra.artifacts import kind, read_frame, write_artifact
+from dynamicrubric.infra.artifact_kinds import kind
+from dynamicrubric.infra.artifacts import read_frame, write_artifact
 from dynamicrubric.infra.config import Config
 from dynamicrubric.scoring.prompts import (
     JUDGE_ITEM_QUESTION,
@@ -231,7 +232,7 @@ def judge_rollouts(
     unscored = int(np.isnan(p_yes).sum())
     if unscored:
         if requests_before is not None:  # the server's requests say why: timeouts, errors, bad replies
-            from dynamicrubric.engines.server_engine import OUTCOMES, counts_text
+            from dynamicrubric.engines.served_calls import OUTCOMES, counts_text
 
             since = engine.ledger.since(requests_before)
             why = f"requests to {engine.url}: " + counts_text({k: since[k] for k in (*OUTCOMES, "retries")})

@@ -13,7 +13,7 @@ import pandas as pd
 from dynamicrubric.engines import Engine, load_engine, prompts_named
 from dynamicrubric.infra.artifacts import read_frame, write_artifact
 from dynamicrubric.infra.config import Config
-from dynamicrubric.infra.models import model_reference
+from dynamicrubric.infra.model_references import model_reference
 
 log = logging.getLogger(__name__)
 

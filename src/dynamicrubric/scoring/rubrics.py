@@ -25,7 +25,7 @@ import pandas as pd
 from dynamicrubric.engines import FAILED, Engine, EngineError, load_engine, prompts_named
 from dynamicrubric.infra.artifacts import read_frame, write_artifact
 from dynamicrubric.infra.config import Config
-from dynamicrubric.infra.models import model_reference
+from dynamicrubric.infra.model_references import model_reference
 from dynamicrubric.scoring.prompts import (
     ParsedRubric,
     dynamic_rubric_prompt,

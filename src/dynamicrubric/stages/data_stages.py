@@ -6,7 +6,8 @@ from __future__ import annotations
 import pandas as pd
 
 from dynamicrubric import store
-from dynamicrubric.infra.artifacts import empty_table, read_frame, write_artifact
+from dynamicrubric.infra.artifact_kinds import empty_table
+from dynamicrubric.infra.artifacts import read_frame, write_artifact
 from dynamicrubric.infra.config import Config
 from dynamicrubric.stages.common import (
     LABEL,

@@ -9,7 +9,7 @@ import time
 
 from dynamicrubric import store
 from dynamicrubric.evaluation.plots import TRACED_SETS
-from dynamicrubric.infra import tracking
+from dynamicrubric.infra import tracking_records
 from dynamicrubric.infra.artifacts import read_frame, write_artifact
 from dynamicrubric.infra.config import Config
 from dynamicrubric.stages.common import (
@@ -163,7 +163,7 @@ def _evaluate_lineage(run, run_name: str, round_idx: int, values: dict, result: 
     traced = values["out_plots"].rstrip("/") + "/" + TRACED_SETS
     if store.exists(traced):
         started = time.perf_counter()
-        ids = tracking.log_traced_sets(run, json.loads(store.read_bytes(traced)), round_idx)
+        ids = tracking_records.log_traced_sets(run, json.loads(store.read_bytes(traced)), round_idx)
         run.log_metrics({"traced_sets": len(ids), "tracing_s": time.perf_counter() - started})
     for role, metrics in metrics_by_role(result).items():
         model_id = run.find_model(run_name, f"{role}-round-{round_idx}")
@@ -232,8 +232,8 @@ EVALUATE = Stage(
 def rollback(cfg: Config, round_idx: int, *, start_policy, start_generator, guard, out_policy, out_generator):
     """The next round's policy and generator: round t's when its signal guard found it healthy, else the
     ones round t started from (so, round after round, the last healthy round's). Written as reference
-    folders (models.write_reference) that name the chosen checkpoints where they are."""
-    from dynamicrubric.infra.models import model_reference, write_reference
+    folders (model_references.write_reference) that name the chosen checkpoints where they are."""
+    from dynamicrubric.infra.model_references import model_reference, write_reference
 
     record = read_frame(guard, "guard").iloc[0]
     if int(record["round"]) != round_idx:

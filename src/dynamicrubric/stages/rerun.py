@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from dynamicrubric.infra import tracking
-from dynamicrubric.infra.config import config_from_yaml
+from dynamicrubric.infra.config_loading import config_from_yaml
 from dynamicrubric.stages.declarations import STAGES
 from dynamicrubric.stages.runner import STAGE_PARAM, execute
 

@@ -13,9 +13,11 @@ from typing import Any
 
 from dynamicrubric import store
 from dynamicrubric.evaluation.plots import PLOT_NAMES, TRACED_SETS
-from dynamicrubric.infra import logs, tracking
-from dynamicrubric.infra.config import Config, config_from_yaml
-from dynamicrubric.infra.models import BUILTIN_MODELS, REFERENCE_FILE, follow_reference, model_reference
+from dynamicrubric.infra import logs, tracking, tracking_runs
+from dynamicrubric.infra.config import Config
+from dynamicrubric.infra.config_loading import config_from_yaml
+from dynamicrubric.infra.model_references import REFERENCE_FILE, follow_reference, model_reference
+from dynamicrubric.infra.models import BUILTIN_MODELS
 from dynamicrubric.stages.declarations import STAGES
 from dynamicrubric.stages.spec import Data, Stage
 
@@ -61,7 +63,9 @@ def execute(
     )
     result = stage.run(cfg, round_idx, **values)
     task = stage.task_name(values)
-    with tracking.stage_run(cfg, run_name, round_idx, task, started=started, command=stage.command) as run:
+    with tracking_runs.stage_run(
+        cfg, run_name, round_idx, task, started=started, command=stage.command
+    ) as run:
         if run:
             log_lineage(run, stage, run_name, round_idx, values, result)
     return result
@@ -250,10 +254,10 @@ def write_kfp_metrics(summary: Any, values: dict) -> None:
 def start_tracking(config_yaml: str, run_name: str, first_round: int = 1, config_path: str = "") -> str:
     """Create the MLflow parent run, or join it for a later segment of a chained run (`first_round`
     > 1: every segment's tasks log under the one parent run of `run_name`); later tasks find it by
-    `run_name` (see tracking.py). With `config_path`, write the checked config there: the pipeline's
+    `run_name` (see tracking_runs.py). With `config_path`, write the checked config there: the pipeline's
     tasks read it from that artifact rather than each taking the YAML inline."""
     cfg = task_config(config_yaml)
     if config_path:
         Path(config_path).parent.mkdir(parents=True, exist_ok=True)
         Path(config_path).write_text(cfg.to_yaml())
-    return tracking.start_pipeline_run(cfg, run_name, cfg.pipeline.rounds, join=first_round > 1)
+    return tracking_runs.start_pipeline_run(cfg, run_name, cfg.pipeline.rounds, join=first_round > 1)

@@ -37,7 +37,7 @@ class Param:
 class ModelParam:
     """A model the stage loads: a reference string (built-in name, hub id, folder, s3://) which the
     pipeline may override with a checkpoint artifact of an earlier round (`<name>_ckpt`). Logged to
-    MLflow as the reference a rerun can load (models.model_reference)."""
+    MLflow as the reference a rerun can load (model_references.model_reference)."""
 
     name: str  # policy | generator | verifier | previous_policy
     help: str

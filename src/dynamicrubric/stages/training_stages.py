@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from dynamicrubric.infra import tracking
+from dynamicrubric.infra import tracking_records
 from dynamicrubric.infra.config import Config
 from dynamicrubric.stages.common import (
     GENERATOR,
@@ -60,7 +60,7 @@ def _train_lineage(role: str):
         run.log_metrics({k: v for k, v in result.items() if k == "train_wall_s"})
         if result.get("traced_sets"):  # some steps' judged sets, as the evaluate stage traces its own
             started = time.perf_counter()
-            ids = tracking.log_traced_sets(run, result["traced_sets"], round_idx)
+            ids = tracking_records.log_traced_sets(run, result["traced_sets"], round_idx)
             tracing_s = result["tracing_s"] + time.perf_counter() - started  # reading the steps, then logging
             run.log_metrics({"traced_sets": len(ids), "tracing_s": tracing_s})
         run.log_model(run_name, f"{role}-round-{round_idx}", values[f"out_{role}"], {"base": values[role]})

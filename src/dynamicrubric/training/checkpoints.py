@@ -72,7 +72,7 @@ def checkpoint_origin(model_ref: str, tcfg: TrainConfig) -> dict[str, str]:
     """What a stored trainer checkpoint records about the run that wrote it, compared on resume: the
     starting model, and a digest of the train config without `max_steps` (raising it continues a run;
     the zero-steps check covers lowering it)."""
-    from dynamicrubric.infra.models import model_reference
+    from dynamicrubric.infra.model_references import model_reference
 
     config = tcfg.model_dump(mode="json")
     config.pop("max_steps")
@@ -205,7 +205,7 @@ def finished_work(cfg: Config, job: TrainingJob) -> dict:
     digest of the config (all but `pipeline` and the models' references and URLs, which say where a
     run is orchestrated and served, not what it computes; the trainer's section with its max_steps
     included) and the input artifacts (their canonical URIs)."""
-    from dynamicrubric.infra.models import model_reference
+    from dynamicrubric.infra.model_references import model_reference
     from dynamicrubric.infra.tracking import artifact_uri
 
     config = cfg.model_dump(mode="json")
@@ -231,7 +231,7 @@ def _other_work(summary: dict, work: dict, tcfg: TrainConfig) -> list[str]:
     """How the work recorded in a finished checkpoint's summary differs from `work` (none: the same).
     A summary from before `work` was recorded is compared on what it has: stage, round, model, train
     config."""
-    from dynamicrubric.infra.models import model_reference
+    from dynamicrubric.infra.model_references import model_reference
 
     recorded = summary.get("work")
     if recorded is None:

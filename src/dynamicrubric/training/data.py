@@ -19,7 +19,8 @@ from dynamicrubric.infra.config import (
     policy_variant,
     round_seed,
 )
-from dynamicrubric.infra.models import check_model_folder, resolve_model_config
+from dynamicrubric.infra.model_folder_checks import check_model_folder
+from dynamicrubric.infra.models import resolve_model_config
 
 TRAINING_STAGES = ("train-policy", "train-evaluator")
 

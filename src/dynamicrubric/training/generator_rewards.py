@@ -12,21 +12,17 @@ import pandas as pd
 
 from dynamicrubric.infra.config import Config
 from dynamicrubric.training.reward_common import (
-    Scored,
-    Share,
     StepScorer,
     aggregate_step,
     artifact_table,
     completion_text,
     finish_reason,
     kept_on_failure,
-    log_all,
-    score_by_groups,
     set_aside_failed,
     step_uris,
-    whole_step,
     write_step_tables,
 )
+from dynamicrubric.training.reward_parts import Scored, Share, log_all, score_by_groups, whole_step
 
 log = logging.getLogger(__name__)
 

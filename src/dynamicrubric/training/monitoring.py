@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from dynamicrubric.infra.artifacts import empty_table, is_timing
+from dynamicrubric.infra.artifact_kinds import empty_table, is_timing
 
 # TRL's per-step log keys kept as metrics (besides every reward-function metric, which is kept whole).
 TRL_METRICS = {

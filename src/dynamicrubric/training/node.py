@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dynamicrubric import store
 from dynamicrubric.infra import logs
-from dynamicrubric.infra.config import config_from_yaml
+from dynamicrubric.infra.config_loading import config_from_yaml
 from dynamicrubric.training.data import TrainingJob, trainee
 from dynamicrubric.training.launcher import Rendezvous, TrainingError, run_node
 

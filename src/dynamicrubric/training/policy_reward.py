@@ -24,7 +24,7 @@ step), so a resumed run and a fresh run score the same batch identically. TRL ha
 num_generations completions contiguously; with several processes each holds a slice, so the batch is
 gathered, scored by whole groups in parts (every world-th group in each process; with served models
 rank 0 all of them, or on several nodes each node's share through its own servers), and the scores are
-gathered back (reward_common.score_by_groups). A group is scored as in one part whatever the split.
+gathered back (reward_parts.score_by_groups). A group is scored as in one part whatever the split.
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ from dynamicrubric.infra.config import Config, policy_variant, step_seed
 from dynamicrubric.scoring.aggregate import TIE_TOLERANCE
 from dynamicrubric.training.reward_common import (
     Calls,
-    Scored,
-    Share,
     StepScorer,
     aggregate_step,
     artifact_table,
@@ -52,15 +50,13 @@ from dynamicrubric.training.reward_common import (
     completion_text,
     finish_reason,
     kept_on_failure,
-    log_all,
     outcomes,
     ranked_by,
-    score_by_groups,
     set_aside_failed,
     step_uris,
-    whole_step,
     write_step_tables,
 )
+from dynamicrubric.training.reward_parts import Scored, Share, log_all, score_by_groups, whole_step
 
 log = logging.getLogger(__name__)
 

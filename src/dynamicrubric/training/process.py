@@ -17,7 +17,7 @@ from dynamicrubric.training.launcher import error_uri
 
 def main(argv: list[str] | None = None) -> int:
     """What `accelerate launch -m dynamicrubric.training.process` runs in every process."""
-    from dynamicrubric.infra.config import config_from_yaml
+    from dynamicrubric.infra.config_loading import config_from_yaml
 
     parser = argparse.ArgumentParser(
         prog="python -m dynamicrubric.training.process", description=__doc__.split("\n\n")[0]
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if a.result:  # for the launcher, which reports it as its own error
             from dynamicrubric.engines import EngineError, ServedError
-            from dynamicrubric.infra.artifacts import ArtifactError
+            from dynamicrubric.infra.artifact_kinds import ArtifactError
             from dynamicrubric.infra.config import ConfigError
             from dynamicrubric.infra.models import ModelError
 

@@ -182,7 +182,8 @@ def node_inputs(cfg: Config, job: TrainingJob) -> TrainingJob:
     back to its s3:// URI (tracking.artifact_uri). A model named by a built-in name or a hub id stays as
     it is. Any other local path, in the job or in the config's `models` a node falls back to, is refused
     in one line naming the field, before anything is submitted."""
-    from dynamicrubric.infra.models import BUILTIN_MODELS, model_reference
+    from dynamicrubric.infra.model_references import model_reference
+    from dynamicrubric.infra.models import BUILTIN_MODELS
     from dynamicrubric.infra.tracking import artifact_uri
 
     def data(name: str, uri: str) -> str:
