@@ -442,3 +442,13 @@ def test_project_wheel_builds_from_the_build_context(tmp_path: Path) -> None:
     assert "dynamicrubric/components/__init__.py" in names
     assert "dynamicrubric/pipelines/__init__.py" in names
     assert any(n.startswith("dynamicrubric/presets/") and n.endswith(".yaml") for n in names)
+
+
+def test_every_package_of_the_source_tree_is_installed() -> None:
+    """pyproject.toml lists the packages a wheel holds: a package folder left off the list would be
+    importable in the editable checkout and missing from every image."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT / "src").parts) for p in (ROOT / "src").rglob("__init__.py")}
+    assert sorted(found - listed) == []
