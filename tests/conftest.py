@@ -9,6 +9,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# Under pytest-xdist each worker, and every process it starts, computes with one thread. On 2 cores, two
+# torch processes with 2 threads each ran 5-13x slower than with one each (OpenMP's waiting threads spin);
+# two workers keep the two cores busy with one thread each. Set before torch is imported (its OpenMP
+# runtime reads it once); local tasks and trainers inherit it (task_monitor.task_threads honours it).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import transformers.utils.logging  # noqa: E402
 
 # The MLflow server on PostgreSQL and SeaweedFS, one per session: declared here once, since a fixture
@@ -29,10 +36,49 @@ transformers.utils.logging.get_logger()
 
 @pytest.fixture(scope="session", autouse=True)
 def _model_cache(tmp_path_factory):
-    """Keep built models out of the user's cache unless DYNRUBRIC_CACHE is set (CI shares one per run)."""
+    """Keep built models out of the user's cache unless DYNRUBRIC_CACHE is set. The pytest-xdist workers of
+    one run share a cache (beside their own temp folders): a built-in model is built once, by whichever
+    worker asks first, under the cache's file lock, and the others wait and find it."""
     if "DYNRUBRIC_CACHE" not in os.environ:
-        os.environ["DYNRUBRIC_CACHE"] = str(tmp_path_factory.mktemp("model-cache"))
+        base = tmp_path_factory.getbasetemp()
+        shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+        (shared / "model-cache").mkdir(exist_ok=True)
+        os.environ["DYNRUBRIC_CACHE"] = str(shared / "model-cache")
     yield
+
+
+# Session fixtures that cost minutes, each shared by the tests that use it: under pytest-xdist every
+# worker is a session of its own, so the tests of one such fixture go to one worker (`--dist loadgroup`),
+# which runs it once. A test that uses two of them joins the first one's group.
+SHARED_FIXTURE_GROUPS = {"tiny_run": "tiny-run", "mlflow_server": "mlflow-server"}
+
+# The tests that take longest on the 2-core machine start first, so that the workers finish together
+# rather than one running a long test alone at the end (pytest's --durations on CI; ordered longest first).
+START_FIRST = (
+    "test_pipeline.py::test_default_run_completes",
+    "test_pod_runs.py::test_chained_tiny_run_as_pods",
+    "test_pipeline.py::test_resume_reuses_round_one",
+    "test_guard_pipeline.py::test_a_hacked_round_is_rolled_back",
+    "test_train.py::test_ranks_wait_out_a_slow_checkpoint_upload",
+    "test_study.py::test_a_tiny_dynamic_variant_runs_end_to_end",
+    "test_pipeline.py::test_early_stop_skips_later_rounds",
+    "test_trainjob.py::test_two_nodes_train_a_failed_trainjob",
+    "test_guard_pipeline.py::test_a_stop_action_runs_no_round",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the groups into the nodes' ids
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        group = next((g for f, g in SHARED_FIXTURE_GROUPS.items() if f in item.fixturenames), None)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+    def rank(item: pytest.Item) -> int:
+        name = item.nodeid.rsplit("/", 1)[-1]
+        return next((i for i, prefix in enumerate(START_FIRST) if name.startswith(prefix)), len(START_FIRST))
+
+    items.sort(key=rank)  # stable: the rest keep pytest's order
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +125,7 @@ def tiny_run(tmp_path_factory):
 
     import yaml
 
-    from dynamicrubric.infra.config import load_config
+    from dynamicrubric.infra.config_loading import load_config
 
     workdir = tmp_path_factory.mktemp("tiny-run")
     config = workdir / "config.yaml"

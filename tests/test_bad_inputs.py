@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dynamicrubric import cli, store
+from dynamicrubric import cli, cli_errors, store
 from dynamicrubric.infra import artifact_kinds, artifacts
 from dynamicrubric.infra.artifacts import write_artifact
 
@@ -249,7 +249,7 @@ def assert_clean_failure(code: int, output: str, out: Path | None, prefix: str =
     assert "Traceback" not in output, output[-3000:]
     errors = [line for line in output.splitlines() if line.startswith(prefix)]
     assert len(errors) == 1, output[-2000:]
-    assert len(errors[0]) <= len(prefix) + cli.MAX_ERROR_CHARS, errors[0][:500]
+    assert len(errors[0]) <= len(prefix) + cli_errors.MAX_ERROR_CHARS, errors[0][:500]
     if out is not None:
         left = sorted(str(p.relative_to(out)) for p in out.rglob("*")) if out.exists() else []
         assert left == [], f"partial output left behind: {left}"
@@ -437,12 +437,24 @@ def test_validate_rejects(kind, how, good, tmp_path, capsys):
 
 
 def test_error_messages_are_capped():
-    assert cli.one_line("a\nb\t c") == "a b c"
-    long = cli.one_line("x" * 10_000 + ": the cause")
+    assert cli_errors.one_line("a\nb\t c") == "a b c"
+    long = cli_errors.one_line("x" * 10_000 + ": the cause")
     head, more, tail = long.split(" ... ")
-    assert len(long) <= cli.MAX_ERROR_CHARS and head == "x" * len(head)
+    assert len(long) <= cli_errors.MAX_ERROR_CHARS and head == "x" * len(head)
     assert tail.endswith("x: the cause") and set(tail.removesuffix(": the cause")) == {"x"}
     assert more == f"({10_011 - len(head) - len(tail)} more chars)"
+
+
+@pytest.mark.parametrize("before", ["Loading weights: 100%|##########| 20/20", "a whole line\n", ""])
+def test_the_error_line_starts_a_line_of_its_own(before, monkeypatch, capsys):
+    """A stop can come inside a progress bar's close, after its last frame and before its newline (CI's
+    SIGTERM test saw "...20/20 [00:00]error: stopped by SIGTERM"): the error line still starts a line."""
+    stream = cli_errors.LineEnds(sys.stderr)
+    monkeypatch.setattr(sys, "stderr", stream)
+    stream.write(before)
+    cli_errors.error_line("error: stopped by SIGTERM", stream)
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == "error: stopped by SIGTERM" and "\n\n" not in err
 
 
 def test_artifacts_are_group_readable(tmp_path):

@@ -22,7 +22,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "training": ("training",),
     "stages": ("stages", "components", "pipelines"),
     "local run": ("localrun",),
-    "command line": ("cli",),
+    "command line": ("cli", "cli_errors"),
 }
 LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 SOURCES = {

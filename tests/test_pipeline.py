@@ -20,10 +20,10 @@ import pytest
 import yaml
 
 from dynamicrubric import store
-from dynamicrubric.infra import tracking
-from dynamicrubric.infra.config import load_config
+from dynamicrubric.infra import tracking, tracking_runs
+from dynamicrubric.infra.config_loading import load_config
 from dynamicrubric.localrun.round_table import round_table
-from dynamicrubric.pipelines.co_evolution import default_run_name
+from dynamicrubric.pipelines.run_plan import default_run_name
 
 
 def _stage_runs(client, experiment_id: str) -> list:
@@ -250,8 +250,8 @@ def test_early_stop_skips_later_rounds(tmp_path, monkeypatch, rounds_per_run):
 
 
 @pytest.mark.slow
-@pytest.mark.demo  # `make test-demo`: 532 s in CI's suite, which it took past its 60 minutes
-@pytest.mark.timeout(3000)  # ~9 min on a busy 2-core VM
+@pytest.mark.demo  # also alone: `make test-demo`
+@pytest.mark.timeout(3000)  # minutes on a busy 2-core VM
 def test_default_run_completes(tmp_path):
     """The README's main command on the embedded defaults, SmolLM2-135M in every role, for one of its two
     rounds: every stage runs once on SmolLM2 (round 2 runs the same tasks from round 1's checkpoints, as
@@ -285,7 +285,7 @@ def test_tracking_leaves_the_environment_alone(tmp_path, monkeypatch):
         preset="tiny", overrides={"pipeline": {"mlflow_tracking_uri": f"sqlite:///{tmp_path}/b.db"}}
     )
     monkeypatch.chdir(tmp_path.parent)
-    tracking.start_pipeline_run(a, "run-a", rounds=1)
+    tracking_runs.start_pipeline_run(a, "run-a", rounds=1)
     assert "MLFLOW_TRACKING_URI" not in os.environ
     # a local store keeps its artifacts beside its database, wherever the run started
     assert (tmp_path / "mlruns").is_dir() and not (tmp_path.parent / "mlruns").exists()

@@ -39,8 +39,9 @@ def _command(tmp_path, code: str, params: dict) -> list[str]:
     return [sys.executable, "-c", code, "--executor_input", json.dumps(executor_input)]
 
 
-def test_a_task_process_runs_torch_with_its_share(tmp_path):
+def test_a_task_process_runs_torch_with_its_share(tmp_path, monkeypatch):
     """The real path: run_task starts the process, and torch in it takes the count."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the user's own count (xdist's 1) would win
     code = "import os, torch; print('threads', os.environ['OMP_NUM_THREADS'], torch.get_num_threads())"
     monitor = TaskMonitor(out=io.StringIO(), err=io.StringIO(), shards=2, cores=2)
     log = tmp_path / "task" / "task.log"

@@ -10,45 +10,11 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
+from dynamicrubric.cli_errors import LineEnds, describe_error, error_line, one_line
 from dynamicrubric.infra import logs
 from dynamicrubric.infra.artifact_kinds import KIND_KEY, ArtifactError
 from dynamicrubric.infra.config import ConfigError
-from dynamicrubric.localrun.launch import LaunchError
-from dynamicrubric.stages.rerun import RerunError
 from dynamicrubric.store import StoreError
-
-MAX_ERROR_CHARS = 300  # an error echoes user data (an id, a path): a 4 MB id must not flood the terminal
-# A model server's failure is built from bounded parts (roles, URLs, counts, where calls.json is): the
-# line is printed whole up to this, so the place it names is never cut off.
-MAX_SERVED_ERROR_CHARS = 4000
-
-# Errors that describe bad input or an unusable store/config: their message is the whole story.
-USER_ERRORS = (ArtifactError, ConfigError, StoreError, LaunchError, RerunError, ValueError, OSError)
-
-
-def one_line(message: object, limit: int = MAX_ERROR_CHARS) -> str:
-    """`message` on one line (whitespace collapsed), cut to `limit` characters in the middle with a
-    note of how many were left out: the start names what failed (a path), the end says why, and a long
-    path or id between them must not push the reason off the line."""
-    text = " ".join(str(message).split())
-    if len(text) <= limit:
-        return text
-    keep = limit - len(f" ... ({len(text)} more chars) ... ")  # the count's width is at most this
-    tail = keep // 3
-    return f"{text[: keep - tail]} ... ({len(text) - keep} more chars) ... {text[len(text) - tail :]}"
-
-
-def describe_error(err: BaseException) -> str:
-    """One line for the user. Bad-input errors say what is wrong themselves; anything else is named by
-    its type, since it is a bug to report rather than an input to fix."""
-    from dynamicrubric.engines import EngineError, ServedError
-    from dynamicrubric.infra.models import ModelError
-
-    if isinstance(err, ServedError):  # names a server, its counts and its record's place: all of it
-        return one_line(err, limit=MAX_SERVED_ERROR_CHARS)
-    if isinstance(err, USER_ERRORS + (EngineError, ModelError)) and str(err):
-        return one_line(err)
-    return one_line(f"{type(err).__name__}: {err} (an internal error: rerun with -v for the traceback)")
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -438,21 +404,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _end_progress_bars() -> None:
-    """A stage stopped or failed while a progress bar was open (a model's loading bar, say) left that
-    bar's line unfinished: closing the bars ends it, so the one error line starts a line of its own."""
-    import contextlib
-
-    with contextlib.suppress(Exception):
-        from tqdm import tqdm
-
-        for bar in list(getattr(tqdm, "_instances", ())):
-            bar.close()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    stderr, sys.stderr = sys.stderr, LineEnds(sys.stderr)
+    try:
+        return _run(args, sys.stderr)
+    finally:
+        sys.stderr = stderr
+
+
+def _run(args: argparse.Namespace, stderr: LineEnds) -> int:
     logs.setup(args.verbose)
     logs.skip_the_exit_collection()
     from dynamicrubric.infra.stopping import Stopped, raise_on_stop_signals
@@ -461,18 +423,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except Stopped as e:  # Ctrl-C or a pod's stop: everything above has been cleaned up on the way
-        _end_progress_bars()
-        print(f"error: stopped by {e.name}", file=sys.stderr)
+        error_line(f"error: stopped by {e.name}", stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        _end_progress_bars()
-        print("error: interrupted", file=sys.stderr)
+        error_line("error: interrupted", stderr)
         return 130
     except Exception as e:
         if args.verbose:
             logging.exception("%s failed", args.command)
-        _end_progress_bars()
-        print(f"error: {describe_error(e)}", file=sys.stderr)
+        error_line(f"error: {describe_error(e)}", stderr)
         return 1
 
 

@@ -243,7 +243,7 @@ def compile_to(cfg: Config, out: str) -> list[str]:
                 if fit
                 else "even one round is over it: lower pipeline.shards"
             )
-            # one line, short enough that the CLI prints it whole (cli.MAX_ERROR_CHARS)
+            # one line, short enough that the CLI prints it whole (cli_errors.MAX_ERROR_CHARS)
             raise LaunchError(
                 f"the package of rounds {first}-{last} would be {size / 1024:.0f} KiB, over the "
                 f"{MAX_PACKAGE_BYTES // 1024} KiB limit (its Argo Workflow, several times larger, must stay "

@@ -199,6 +199,16 @@ def _run_executor(
         import torch
 
         torch.set_num_threads(int(threads))
+    # tqdm's first bar makes a multiprocessing lock, a named semaphore that multiprocessing's resource
+    # tracker (shared with the run's process) unregisters only at an interpreter's exit; this process
+    # ends by os._exit, so every task with a progress bar left one behind, and each run ended with
+    # "resource_tracker: There appear to be 27 leaked semaphore objects". A task's bars are one
+    # process's: a thread lock serves them.
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     from dynamicrubric.infra.stopping import Stopped, raise_on_stop_signals
 
     # A Ctrl-C reaches every process of the terminal's group, the tasks too, and a pod's stop is a
