@@ -202,3 +202,43 @@ def test_vllm_grammar_has_no_free_whitespace() -> None:
     assert not accepts(grammar, '{ "items": [' + one + "]}")
     assert not accepts(grammar, '{"items":\n[' + one + "]}")
     assert not accepts(grammar, '{"items": [{"text": "States 5", "weight": 6}]}')
+
+
+def test_a_row_the_grammar_rejects_ends_and_is_counted_never_raised(engine: HFEngine) -> None:
+    """A row that `generate` ends on a token the grammar does not expect at that point (here: a stop token
+    mid-rubric, as SmolLM2's old tokenizer made transformers pad with a token the grammar forbade) is
+    marked rejected and may then only stop; xgrammar's own processor asserted and ended the process."""
+    import torch
+
+    stop = engine.stop_ids[0]
+    processor = constrained.hf_logits_processor(engine.tokenizer, 3, stop_token_ids=engine.stop_ids)
+    vocab = engine.model.get_output_embeddings().weight.shape[0]
+    tokens = engine.tokenizer.encode('{"items": [{"text": "Says', add_special_tokens=False)
+    ids = torch.tensor([[0], [0]])
+    processor(ids, torch.zeros(2, vocab))  # the first step: the matchers are made
+    for k, token in enumerate(tokens):  # row 0 writes the rubric's opening; row 1 stops after one token
+        ids = torch.cat([ids, torch.tensor([[token], [tokens[0] if k == 0 else stop]])], dim=1)
+        scores = processor(ids, torch.zeros(2, vocab))
+        if k >= 1:
+            break
+    assert processor.rejected == {1}
+    allowed = torch.isfinite(scores[1]).nonzero().flatten().tolist()
+    assert allowed == sorted(engine.stop_ids)  # it can only end now
+    assert 0 < torch.isfinite(scores[0]).sum() < vocab  # the other row is still masked by the grammar
+
+
+def test_a_constrained_sample_that_stopped_off_the_grammar_is_a_rejected_rubric() -> None:
+    from dynamicrubric.scoring.rubrics import REJECTED, rubric_rows
+
+    rows = rubric_rows(
+        "p1",
+        "prompt",
+        ['{"items": [{"text": "States the sum', '{"items": [{"text": "States the sum", "weight": 4}]}'],
+        ["stop", "stop"],
+        variant="dynamic",
+        generator="g",
+        num_items=3,
+        constrained=True,
+    )
+    assert [r["parse_status"] for r in rows] == [REJECTED, "json"]
+    assert rows[0]["items"] == [] and len(rows[1]["items"]) == 1

@@ -134,3 +134,41 @@ def test_smollm2_prepares_from_the_wheel_and_answers() -> None:
     gen = engine.generate([prompt], temperature=0.0, max_new_tokens=24)[0]
     assert gen.finish_reasons == ["stop"]
     assert "5" in gen.texts[0]
+
+
+@pytest.mark.slow
+def test_the_built_smollm2_stops_and_pads_with_im_end() -> None:
+    """SmolLM2's folder declares <|im_end|> (id 2) as eos and pad, as its chat template and generation
+    config use it, and keeps both ChatML tokens special; loaded, generate stops on it."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = prepare_model("smollm2-135m-instruct")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    assert config["eos_token"] == "<|im_end|>" and config["pad_token"] == "<|im_end|>"
+    added = {
+        t["content"]: t["special"] for t in json.loads((path / "tokenizer.json").read_text())["added_tokens"]
+    }
+    assert added["<|im_start|>"] and added["<|im_end|>"]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert tokenizer.eos_token_id == tokenizer.pad_token_id == 2
+    assert model.generation_config.eos_token_id in (2, [2]) and model.generation_config.pad_token_id == 2
+
+
+def test_an_older_build_of_a_builtin_model_is_rebuilt_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dynamicrubric.infra import models
+
+    monkeypatch.setenv("DYNRUBRIC_CACHE", str(tmp_path))
+    first = prepare_model("tiny-random")
+    assert (first / models.BUILD_FILE).read_text() == "1"
+    monkeypatch.setitem(models.BUILD_VERSIONS, "tiny-random", 2)  # as a new build of the model would
+    (first / "marker").write_text("the old build")
+    again = prepare_model("tiny-random")
+    assert (
+        again == first and not (again / "marker").exists() and (again / models.BUILD_FILE).read_text() == "2"
+    )
+    assert prepare_model("tiny-random") == first and not list(tmp_path.glob(".tiny-random.*"))

@@ -5,10 +5,14 @@ each {"text": a string of 3..MAX_ITEM_CHARS characters, "weight": an integer 1..
 `prompts.parse_rubric` reads it as a JSON list (status "json"). Only a sample cut off by the token limit
 can fail to parse; the rubric stage counts those and scores them as empty.
 
-- transformers: `hf_logits_processor(tokenizer, M)` returns a fresh `xgrammar.contrib.hf.LogitsProcessor`
-  for every generation call (it keeps one grammar matcher per batch row and cannot be reused). The
-  grammar itself is compiled once per (tokenizer, vocabulary size, stop tokens, M) and cached: compiling
-  took 6.8 s for SmolLM2's 49k vocabulary.
+- transformers: `hf_logits_processor(tokenizer, M)` returns a fresh `RubricGrammarProcessor` for every
+  generation call (it keeps one grammar matcher per batch row and cannot be reused). The grammar itself
+  is compiled once per (tokenizer, vocabulary size, stop tokens, M) and cached: compiling took 6.8 s for
+  SmolLM2's 49k vocabulary. Its stop tokens must be the ones the caller's `generate` stops on: a row
+  that `generate` ends on a token the grammar takes for text (or pads with one it forbids) is off the
+  grammar. The processor never raises on such a row, as xgrammar's own HF processor does (an
+  AssertionError that ended a training process): it lets the row only end, and the rubric parser counts
+  a constrained sample that stopped without a complete rubric as "rejected" (prompts.parse_rubric).
 - vLLM: `rubric_grammar(M)`, the same schema as an xgrammar EBNF grammar without free whitespace, is
   passed to its structured outputs (also xgrammar). Not the schema itself: vLLM 0.31/0.32 ignore the
   per-request `disable_any_whitespace` and read only the engine-wide setting, which TRL's colocated
@@ -20,8 +24,11 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import threading
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 MAX_ITEM_CHARS = 200  # one criterion is a sentence; the bound also bounds a rubric's token count
 MIN_ITEM_CHARS = 3  # parse_rubric drops shorter texts as "too short to be a criterion"
@@ -96,12 +103,60 @@ def compiled_grammar(
         return _compiled[key][1]
 
 
-def hf_logits_processor(tokenizer: Any, max_items: int, **grammar_options: Any) -> Any:
-    """A new xgrammar logits processor for ONE generation call (transformers' `generate` or HFEngine),
-    over `compiled_grammar(tokenizer, max_items, **grammar_options)`.
+class RubricGrammarProcessor:
+    """The rubric grammar's token mask for ONE generation call, as xgrammar's HF processor applies it,
+    except for a row whose last token the grammar rejects (a stop or pad token `generate` chose that the
+    grammar did not expect): that row is `rejected`, logged, and from then on may only sample a stop token,
+    so it ends at once instead of raising. Called as processor(input_ids, scores) at every step, where
+    input_ids' last column is the token each row sampled at the previous step."""
 
-    It is called as processor(input_ids, scores) at every step, where input_ids' last column is the
-    token each row sampled at the previous step, and masks the scores of tokens the schema forbids."""
-    from xgrammar.contrib.hf import LogitsProcessor
+    def __init__(self, compiled: Any, stop_token_ids: list[int]) -> None:
+        self.compiled, self.stops = compiled, list(stop_token_ids)
+        self.matchers: list[Any] = []
+        self.rejected: set[int] = set()
+        self.bitmask = None
 
-    return LogitsProcessor(compiled_grammar(tokenizer, max_items, **grammar_options))
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+        import xgrammar as xgr
+
+        if not self.matchers:  # the first step: nothing sampled yet
+            self.matchers = [xgr.GrammarMatcher(self.compiled) for _ in range(input_ids.shape[0])]
+            self.bitmask = xgr.allocate_token_bitmask(
+                len(self.matchers), self.compiled.tokenizer_info.vocab_size
+            )
+        else:
+            for i, matcher in enumerate(self.matchers):
+                if i in self.rejected or matcher.is_terminated():
+                    continue
+                token = int(input_ids[i, -1])
+                if not matcher.accept_token(token):
+                    self.rejected.add(i)
+                    log.warning(
+                        "rubric grammar: row %d sampled token %d, which the grammar rejects; it ends here",
+                        i,
+                        token,
+                    )
+        live = [i for i, m in enumerate(self.matchers) if i not in self.rejected and not m.is_terminated()]
+        for i in live:
+            self.matchers[i].fill_next_token_bitmask(self.bitmask, i)
+        if live:
+            masked = scores.to("cpu") if scores.device.type not in ("cpu", "cuda") else scores
+            xgr.apply_token_bitmask_inplace(masked, self.bitmask.to(masked.device), indices=live)
+            scores = masked.to(scores.device)
+        for i in self.rejected:
+            keep = scores[i, self.stops].clone()
+            scores[i] = -torch.inf
+            scores[i, self.stops] = keep
+        return scores
+
+
+def hf_logits_processor(
+    tokenizer: Any, max_items: int, *, stop_token_ids: list[int] | None = None, **grammar_options: Any
+) -> RubricGrammarProcessor:
+    """A new rubric-grammar logits processor for ONE generation call (transformers' `generate` or
+    HFEngine), over `compiled_grammar(tokenizer, max_items, stop_token_ids=..., **grammar_options)`.
+    `stop_token_ids`: the tokens the call's `generate` stops on (default: the tokenizer's eos)."""
+    stops = list(stop_token_ids) if stop_token_ids else [int(tokenizer.eos_token_id)]
+    compiled = compiled_grammar(tokenizer, max_items, stop_token_ids=stops, **grammar_options)
+    return RubricGrammarProcessor(compiled, stops)

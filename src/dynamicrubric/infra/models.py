@@ -254,7 +254,7 @@ def prepare_model(name: str) -> Path:
     if name not in builders:
         raise ModelError(f"unknown built-in model {name!r}; expected one of {list(BUILTIN_MODELS)}")
     final = cache_dir() / name
-    if (final / "config.json").is_file():
+    if _built(final, name):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     # One builder at a time per cache (parallel shards would each spend ~40 s building SmolLM2): the
@@ -267,21 +267,36 @@ def prepare_model(name: str) -> Path:
         subprocess.run([sys.executable, "-c", code], check=True)
         return final
     with _cache_lock(final.parent):
-        if (final / "config.json").is_file():
+        if _built(final, name):
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=final.parent))
         try:
             builders[name](tmp)
             if not (tmp / "config.json").is_file():  # never publish a partial build as the model
                 raise ModelError(f"building {name} wrote no config.json into {tmp}")
-            try:
-                os.rename(tmp, final)  # atomic; fails if another process finished first
-            except OSError:
-                if not (final / "config.json").is_file():
-                    raise
+            (tmp / BUILD_FILE).write_text(str(BUILD_VERSIONS[name]))
+            if final.exists():  # an older build: moved aside whole (a reader keeps the files it opened)
+                old = Path(tempfile.mkdtemp(prefix=f".{name}.old.", dir=final.parent))
+                os.rename(final, old / name)
+                shutil.rmtree(old, ignore_errors=True)
+            os.rename(tmp, final)  # atomic, under the lock
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+# A built-in model's build, counted: a cache holding an older build is rebuilt once. SmolLM2's 2nd build
+# declares <|im_end|> as its eos and pad (the GGUF named <|im_start|>, so generate's stop, padding and the
+# rubric grammar's stop token disagreed). A folder without the file is the 1st build.
+BUILD_VERSIONS = {"tiny-random": 1, "smollm2-135m-instruct": 2}
+BUILD_FILE = ".dynamicrubric-build"
+
+
+def _built(folder: Path, name: str) -> bool:
+    if not (folder / "config.json").is_file():
+        return False
+    version = folder / BUILD_FILE
+    return (int(version.read_text()) if version.is_file() else 1) == BUILD_VERSIONS[name]
 
 
 def _in_process_group() -> bool:
@@ -399,6 +414,11 @@ def build_smollm2(folder: Path) -> None:
     with tempfile.TemporaryDirectory(dir=folder.parent) as work:
         gguf = _fetch_smollm2_gguf(Path(work))
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The GGUF's tokenizer names <|im_start|> its eos and has no pad token, while SmolLM2's chat template
+        # ends each turn with <|im_end|> and its generation config stops and pads with it (id 2): declare
+        # them as the model uses them (transformers aligns the generation config to the tokenizer at load).
+        tokenizer.eos_token = "<|im_end|>"
+        tokenizer.pad_token = "<|im_end|>"
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # A GGUF-loaded model refuses save_pretrained (it carries a quantization_config): rebuild a
         # plain Llama from the same config without it and copy the dequantised weights over.

@@ -37,6 +37,9 @@ from dynamicrubric.scoring.prompts import (
 log = logging.getLogger(__name__)
 
 TRUNCATED = "truncated"  # parse_status of a constrained rubric cut off by the token limit
+# parse_status of a constrained rubric that stopped without being whole JSON: the grammar rejected a token
+# its row sampled, and the row was ended (constrained.RubricGrammarProcessor). Scored as empty, counted.
+REJECTED = "rejected"
 
 
 def generator_messages(user_text: str) -> list[dict]:
@@ -105,6 +108,8 @@ def rubric_rows(
             parsed = ParsedRubric([], TRUNCATED)
         else:
             parsed = parse_rubric(completion, num_items)
+            if constrained and parsed.status != "json":  # stopped, yet not the schema's JSON: off the grammar
+                parsed = ParsedRubric([], REJECTED)
         rows.append(
             {
                 "prompt_id": prompt_id,
@@ -203,6 +208,7 @@ def generate_rubrics(
     rubrics = pd.DataFrame(rows)
     empty = int((rubrics["parse_status"] == "empty").sum())
     truncated = int((rubrics["parse_status"] == TRUNCATED).sum())
+    rejected = int((rubrics["parse_status"] == REJECTED).sum())
     if empty:
         log.warning("rubrics: %d of %d rubric samples did not parse and are empty", empty, len(rubrics))
     if truncated:
@@ -213,15 +219,24 @@ def generate_rubrics(
             len(rubrics),
             rc.max_new_tokens,
         )
-    complete = len(rubrics) - truncated - failed
+    if rejected:
+        log.warning(
+            "rubrics: %d of %d constrained rubric samples stopped off the grammar (a token it rejects) and "
+            "are scored as empty",
+            rejected,
+            len(rubrics),
+        )
+    complete = len(rubrics) - truncated - failed - rejected
     counts = {
         "failed": failed,
         "candidate_sets": int(requests["prompt_id"].nunique()),
         "rubrics": len(rubrics),
         "empty_rubrics": empty,
         "truncated": truncated,
+        "rejected": rejected,
         # Share of the rubrics not cut off by the token limit that parsed (1.0 when constrained).
-        "parse_rate": float((rubrics["parse_status"] != "empty").sum() - truncated - failed) / complete
+        "parse_rate": float((rubrics["parse_status"] != "empty").sum() - truncated - failed - rejected)
+        / complete
         if complete
         else 0.0,
         "parsed_json": int((rubrics["parse_status"] == "json").sum()),

@@ -110,7 +110,7 @@ class GeneratorRewards(StepScorer):
         all of it); writes the step's artifacts (its part's)."""
         if not rows:
             return Scored([], {})
-        from dynamicrubric.scoring.rubrics import TRUNCATED, rubric_rows
+        from dynamicrubric.scoring.rubrics import REJECTED, TRUNCATED, rubric_rows
 
         started = time.perf_counter()
         cfg, g = self.cfg, self.g
@@ -211,6 +211,8 @@ class GeneratorRewards(StepScorer):
             if len(complete)
             else 0.0,
             "rubrics/truncated_rate": float(truncated.mean()),
+            # off the grammar (a token it rejected ended the sample): scored as an empty rubric, counted here
+            "rubrics/rejected_rate": float((rubrics["parse_status"] == REJECTED).mean()),
             "rubrics/mean_items": float(rubrics["items"].map(len).mean()),
             "judge/yes_rate": judged["judge/yes_rate"],
             "time/judge_s": judged["time/judge_s"],

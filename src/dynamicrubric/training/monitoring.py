@@ -91,8 +91,17 @@ class TimedGenerate:
 
             from dynamicrubric.engines.constrained import hf_logits_processor
 
+            # The grammar's stop tokens are the ones this generate stops on (its generation config's eos):
+            # a row generate ends on a token the grammar took for text would leave the grammar.
+            config = kwargs.get("generation_config") or self.generate.__self__.generation_config
+            eos = config.eos_token_id
+            stops = [int(i) for i in (eos if isinstance(eos, list | tuple) else [eos]) if i is not None]
             processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
-            processors.append(hf_logits_processor(self.tokenizer, self.max_items, vocab_size=self.vocab_size))
+            processors.append(
+                hf_logits_processor(
+                    self.tokenizer, self.max_items, vocab_size=self.vocab_size, stop_token_ids=stops
+                )
+            )
             kwargs["logits_processor"] = processors
         try:
             return self.generate(*args, **kwargs)
