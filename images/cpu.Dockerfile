@@ -29,10 +29,11 @@ ENV PYTHONUNBUFFERED=1 \
 
 RUN useradd --create-home --home-dir /home/app --uid "${APP_UID}" --user-group --shell /usr/sbin/nologin app
 
-COPY images/cpu-constraints.txt /tmp/pins/
+COPY images/cpu-constraints.txt images/benchmarks.txt /tmp/pins/
 COPY --from=wheel /wheels /tmp/wheels
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
     && pip install --no-cache-dir -c /tmp/pins/cpu-constraints.txt /tmp/wheels/dynamicrubric-*.whl \
+    && pip install --no-cache-dir --no-deps --require-hashes -r /tmp/pins/benchmarks.txt \
     && rm -rf /tmp/pins /tmp/wheels
 
 WORKDIR /home/app

@@ -49,11 +49,12 @@ RUN apt-get update \
     && python3.12 -m venv "${VIRTUAL_ENV}" \
     && useradd --create-home --home-dir /home/app --uid "${APP_UID}" --user-group --shell /usr/sbin/nologin app
 
-COPY images/gpu-requirements.txt images/gpu-constraints.txt /tmp/pins/
+COPY images/gpu-requirements.txt images/gpu-constraints.txt images/benchmarks.txt /tmp/pins/
 COPY --from=wheel /wheels /tmp/wheels
 RUN pip install --no-cache-dir -c /tmp/pins/gpu-constraints.txt -r /tmp/pins/gpu-requirements.txt \
         "vllm==${VLLM_VERSION}" "mlflow-skinny==${MLFLOW_VERSION}" \
     && pip install --no-cache-dir --no-deps "kfp==${KFP_VERSION}" \
+    && pip install --no-cache-dir --no-deps --require-hashes -r /tmp/pins/benchmarks.txt \
     && pip install --no-cache-dir --no-deps /tmp/wheels/dynamicrubric-*.whl \
     && rm -rf /tmp/pins /tmp/wheels
 

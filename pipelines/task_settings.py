@@ -70,6 +70,12 @@ def staged_models(cfg: Config) -> ModelsConfig:
     return cfg.models.model_copy(update={role: plan[getattr(cfg.models, role)] for role in roles})
 
 
+def judge_key_envs(cfg: Config) -> list[str]:
+    """The environment variables the config's judges read their endpoint keys from."""
+    judges = (cfg.evaluate.benchmark_judge, cfg.guard.gold_judge)
+    return sorted({j.api_key_env for j in judges if j.api_key_env})
+
+
 def _configure(cfg: Config, stage: str) -> Callable[[dsl.PipelineTask, str], dsl.PipelineTask]:
     """Cluster settings for one stage's tasks (pipeline.resources, else config.STAGE_FACTS).
 
@@ -119,6 +125,9 @@ def _configure(cfg: Config, stage: str) -> Callable[[dsl.PipelineTask, str], dsl
             kubernetes.use_secret_as_env(task, p.s3_secret, {k: k for k in S3_ENV}, optional=True)
         if p.image_pull_secrets:
             kubernetes.set_image_pull_secrets(task, list(p.image_pull_secrets))
+        keys = judge_key_envs(cfg)
+        if p.judge_secret and keys and stage == "evaluate":  # the stage that asks the judges
+            kubernetes.use_secret_as_env(task, p.judge_secret, {k: k for k in keys})
         if runs_in_gvisor(cfg, stage):
             kubernetes.add_pod_label(task, *RUNS_CODE_LABEL)
         return task

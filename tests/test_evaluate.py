@@ -241,10 +241,15 @@ def test_accuracy_by_origin_splits_files_from_outcomes():
             "score": [0.9, 0.1, 0.5, 0.5, 0.0, 1.0],  # right, tie, wrong
         }
     )
-    assert accuracy_by_origin(lists) == {
-        "pairwise_accuracy_labelled": 0.75,
-        "pairwise_accuracy_outcomes": 0.0,
-    }
+    tied_discount = (1 + 1 / math.log2(3)) / 2  # a tie shares the mean discount of its positions
+    assert accuracy_by_origin(lists) == pytest.approx(
+        {
+            "pairwise_accuracy_labelled": 0.75,
+            "pairwise_accuracy_outcomes": 0.0,
+            "top1_accuracy_labelled": 0.75,  # the right list 1, the tied one half
+            "ndcg_labelled": (1 + tied_discount) / 2,
+        }
+    )
     assert math.isnan(accuracy_by_origin(lists.iloc[:4])["pairwise_accuracy_outcomes"])
 
 
@@ -313,7 +318,16 @@ def test_run_evaluate_end_to_end(tmp_path):
     )
     metrics = read_artifact(out, "metrics").to_pandas()
     assert set(metrics["stage"]) == {"evaluate"} and set(metrics["round"]) == {1}
-    assert set(metrics["variant"]) == {"policy", "dynamic", "static", "pointwise", "guard", "items"}
+    benchmarks = {"alpaca_eval", "arena_hard_v2", "writingbench"}  # the tiny preset's
+    assert set(metrics["variant"]) == {
+        "policy",
+        "dynamic",
+        "static",
+        "pointwise",
+        "guard",
+        "items",
+        *benchmarks,
+    }
     (verdict,) = read_frame(guard_uri, "guard").to_dict("records")
     assert verdict["round"] == 1 and verdict["healthy"] == bool(result["guard/healthy"])
     assert verdict["policy"] == verdict["generator"] == "tiny-random"
@@ -457,6 +471,14 @@ def test_run_evaluate_holds_one_engine_at_a_time(tmp_path, monkeypatch):
         previous_policy=refs["previous"],
         labelled_uris=_write_labelled(tmp_path),
     )
-    assert [ref for ref, _ in events] == ["tiny-random", refs["previous"], refs["generator"], "tiny-random"]
+    # the policy's and the previous policy's samples, P_0's and P_t's benchmark answers (both tiny-random
+    # here: one load), the generator's rubrics, the verifier's judgments and the benchmarks' questions
+    assert [ref for ref, _ in events] == [
+        "tiny-random",
+        refs["previous"],
+        "tiny-random",
+        refs["generator"],
+        "tiny-random",
+    ]
     assert max(n for _, n in events) == 1 and live == []  # never two at once, none left behind
     assert result["policy/win_rate_prompts"] == 3 and "dynamic/pairwise_accuracy" in result

@@ -672,3 +672,26 @@ def test_the_package_limit_leaves_half_of_argos_1_mib_with_node_status_compresse
     )
     assert 20_000 < three["status_mib"] * 2**20 / three["tasks"] < 30_000  # ~24 KB of status a task
     assert three["total_uncompressed_mib"] > 2.5 and three["total_compressed_mib"] < 0.6
+
+
+def test_the_judges_key_reaches_the_evaluate_tasks_only(tmp_path):
+    """A judge behind a keyed endpoint (the paper's GPT-4.1 re-judging): its api_key_env comes from
+    pipeline.judge_secret's key of that name, on the evaluate tasks, which ask the judges, and no other."""
+    judge = {"url": "https://api.openai.com/v1", "served_model": "gpt-4.1", "api_key_env": "OPENAI_API_KEY"}
+    config = _config_file(
+        tmp_path,
+        {
+            **CLUSTER,
+            "evaluate": {"benchmark_judge": judge},
+            "pipeline": {**CLUSTER["pipeline"], "judge_secret": "judges"},
+        },
+    )
+    out = tmp_path / "p.yaml"
+    assert cli.main(["compile", "--config", config, "--rounds", "1", "--out", str(out)]) == 0
+    pipeline = parse_package(out.read_text())
+    keyed = {}
+    for label, k8s in pipeline.kubernetes.items():
+        for secret in k8s.secret_as_env:
+            if secret.secret_name == "judges":
+                keyed[_stage_of(label)] = [(m.secret_key, m.env_var) for m in secret.key_to_env]
+    assert keyed == {"evaluate": [("OPENAI_API_KEY", "OPENAI_API_KEY")]}

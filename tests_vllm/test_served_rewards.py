@@ -262,3 +262,39 @@ def test_a_server_killed_mid_step_is_retried_then_recovers_or_fails_with_one_lin
         for server in (first, replacement):
             if server is not None:
                 server.stop()
+
+
+def test_the_benchmark_judge_through_a_chat_endpoint_judges_a_benchmark_subset(servers) -> None:
+    """`evaluate.benchmark_judge.url` naming a real OpenAI-compatible server (the served verifier): the
+    questions go to /v1/chat/completions, P(yes) comes from the first token's top log-probs, and every
+    call is in the ledger."""
+    from dynamicrubric.evaluation.benchmark_runs import benchmark_judge, benchmark_prompts, judge_benchmarks
+
+    cfg = _cfg(
+        evaluate={
+            "benchmarks": [{"name": "alpaca_eval", "prompts": 2}, {"name": "writingbench", "prompts": 1}],
+            "benchmark_judge": {"url": servers["verifier"]},
+            "benchmark_max_chars": 400,
+        }
+    )
+    prompts = benchmark_prompts(cfg)
+    answers = pd.DataFrame(
+        [
+            {"benchmark": name, "id": i, "who": who, "response": f"A short answer by {who}."}
+            for name, frame in prompts.items()
+            for i in frame["id"]
+            for who in ("policy", "base")
+        ]
+    )
+    judge = benchmark_judge(cfg, lambda ref: pytest.fail(f"no model may load in process: {ref}"), "unused")
+    try:
+        results = judge_benchmarks(cfg, prompts, answers, judge, seed=0, first_round=True)
+    finally:
+        judge.close()
+    rows = {(b, m): v for b, m, v in results.rows}
+    asked = results.questions
+    assert len(asked) > 0 and asked["p_yes"].between(0, 1).all()  # every call answered, none NaN
+    assert rows[("alpaca_eval", "n")] == 2 and rows[("alpaca_eval", "failed")] == 0
+    assert rows[("writingbench", "n")] == 1 and 0 <= rows[("writingbench", "score")] <= 1
+    assert rows[("benchmark_judge", "calls_ok")] == len(asked) + 1  # and the model listing
+    assert judge.label.endswith(f"at {servers['verifier']}")

@@ -38,11 +38,12 @@ from dynamicrubric.engines.base import (
     prompts_named,
     sample_seed,
 )
+from dynamicrubric.engines.chat_judge import ChatJudge
 from dynamicrubric.engines.served_calls import FAILED, OUTCOMES, CallLedger, ServedError
 from dynamicrubric.engines.server_engine import ServerEngine
 from dynamicrubric.engines.transformers_engine import HFEngine
 from dynamicrubric.engines.vllm_engine import VLLMEngine
-from dynamicrubric.infra.config import EngineConfig, ServingConfig
+from dynamicrubric.infra.config import Config, EngineConfig, JudgeSpec, ServingConfig
 
 __all__ = [
     "FAILED",
@@ -50,6 +51,7 @@ __all__ = [
     "OUTCOMES",
     "YES_SPELLINGS",
     "CallLedger",
+    "ChatJudge",
     "Engine",
     "EngineError",
     "Generation",
@@ -60,6 +62,7 @@ __all__ = [
     "VLLMEngine",
     "answer_token_ids",
     "load_engine",
+    "load_judge",
     "progress_bar",
     "prompts_named",
     "sample_seed",
@@ -129,3 +132,15 @@ def _load_engine(
             **({"max_model_len": cfg.max_model_len} if cfg.max_model_len else {}),
         )
     raise EngineError(f"engine: unknown engine {cfg.engine!r}; expected 'hf' or 'vllm'")
+
+
+def load_judge(judge: JudgeSpec, cfg: Config, *, role: str) -> Engine:
+    """The engine of a judge the config names (a JudgeSpec): a `ChatJudge` client of its endpoint, else
+    its model in this process. `role` names it in errors ("benchmark judge", "gold judge")."""
+    if judge.url:
+        return ChatJudge(
+            judge.url, cfg.serving, served_model=judge.served_model, api_key_env=judge.api_key_env, role=role
+        )
+    if not judge.model:
+        raise EngineError(f"{role}: the config names neither a model nor a url")
+    return load_engine(judge.model, cfg.engine)

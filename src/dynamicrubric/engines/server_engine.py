@@ -4,13 +4,8 @@ a reply's shape are engines/server_requests.py."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import math
-import threading
-import time
-from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from dynamicrubric.engines.base import (
@@ -23,8 +18,9 @@ from dynamicrubric.engines.base import (
     pair_token_ids,
     progress_bar,
 )
-from dynamicrubric.engines.served_calls import FAILED, CallLedger, ServedError, counts_text
-from dynamicrubric.engines.server_requests import _bounded_backend, _choices, _finished, _Lost, _request_end
+from dynamicrubric.engines.served_calls import FAILED, ServedError, counts_text
+from dynamicrubric.engines.served_client import ServedClient
+from dynamicrubric.engines.server_requests import _choices, _finished, _Lost
 from dynamicrubric.infra.config import ServingConfig
 from dynamicrubric.infra.models import resolve_model
 
@@ -38,7 +34,7 @@ log = logging.getLogger(__name__)
 LOGPROB_FLOOR = -9999.0
 
 
-class ServerEngine(Engine):
+class ServerEngine(Engine, ServedClient):
     """Client of one model behind an OpenAI-compatible `/v1/completions` server (vLLM's `vllm serve`,
     a KServe InferenceService, a team's judge service): the same interface as the in-process engines.
 
@@ -55,152 +51,17 @@ class ServerEngine(Engine):
     """
 
     def __init__(self, model_ref: str, url: str, serving: ServingConfig, *, role: str = "") -> None:
-        import httpcore
-
+        base = url.rstrip("/").removesuffix("/v1")
+        ServedClient.__init__(self, base, serving, name=f"the {role + ' ' if role else ''}server at {base}")
         self.model_ref = model_ref
-        self.url = url.rstrip("/").removesuffix("/v1")
-        self.serving = serving
-        self.name = f"the {role + ' ' if role else ''}server at {self.url}"
-        self.ledger = CallLedger()
-        self._ledger_lock = threading.Lock()
-        self._budget_end: float | None = None
         self.tokenizer = _load_tokenizer(model_ref)
         self.yes_ids, self.no_ids = answer_token_ids(self.tokenizer)
-        self._pool = httpcore.ConnectionPool(
-            max_connections=serving.concurrency,
-            max_keepalive_connections=serving.concurrency,
-            network_backend=_bounded_backend(),
-        )
         self.served_name, self.context_length = self._served_model()
         self._check_tokenizer()
 
-    # ---- requests
-
-    def _count(self, **deltas: int) -> None:
-        with self._ledger_lock:
-            for name, delta in deltas.items():
-                setattr(self.ledger, name, getattr(self.ledger, name) + delta)
-
-    @contextlib.contextmanager
-    def budget(self) -> Iterator[None]:
-        """Every request of the calls made inside ends within one `serving.deadline_s` from here (a
-        training step's calls of this role); outside, each call has its own."""
-        self._budget_end = time.monotonic() + self.serving.deadline_s
-        try:
-            yield
-        finally:
-            self._budget_end = None
-
-    def _call_end(self) -> float:
-        return self._budget_end or time.monotonic() + self.serving.deadline_s
-
-    def _send(self, method: str, path: str, body: dict | None, end: float) -> dict:
-        """One try: the reply's JSON object, or _Lost saying what went wrong."""
-        import httpcore
-
-        left = end - time.monotonic()
-        if left <= 0:
-            raise _Lost("timeout", "no time left in serving.deadline_s", False)
-        content = json.dumps(body).encode() if body is not None else None
-        headers = [("Content-Type", "application/json")] if body is not None else []
-        _request_end.at = end
-        try:
-            response = self._pool.request(
-                method,
-                self.url + path,
-                headers=headers,
-                content=content,
-                extensions={"timeout": dict.fromkeys(("connect", "read", "write", "pool"), left)},
-            )
-        except httpcore.TimeoutException as e:
-            raise _Lost(
-                "timeout", f"no complete answer within {left:.1f} s ({type(e).__name__})", True
-            ) from e
-        except (httpcore.NetworkError, httpcore.ProtocolError) as e:
-            raise _Lost("unreachable", f"{type(e).__name__}: {e}", True) from e
-        finally:
-            _request_end.at = None
-        if response.status != 200:
-            text = response.content[:200].decode(errors="replace")
-            transient = response.status == 429 or response.status >= 500
-            raise _Lost("http_error", f"HTTP {response.status}: {text}", transient)
-        try:
-            answer = json.loads(response.content)
-        except ValueError as e:  # a body cut short (a proxy, a dying server): asking again may help
-            raise _Lost("malformed", f"a reply that is not JSON ({e})", True) from e
-        if not isinstance(answer, dict):
-            raise _Lost("malformed", f"a reply that is not a JSON object: {type(answer).__name__}", False)
-        return answer
-
-    def _request(
-        self,
-        method: str,
-        path: str,
-        body: dict | None = None,
-        *,
-        prompts: int = 1,
-        parse: Callable[[dict], Any] = lambda answer: answer,
-        end: float | None = None,
-    ) -> Any:
-        """One request, retried while its failure is transient: parse(its JSON), or None once it failed
-        (its outcome in the ledger). Every try ends by `end` (default: serving.deadline_s from now) and
-        within serving.request_timeout_s."""
-        end = end if end is not None else time.monotonic() + self.serving.deadline_s
-        delay = 0.5
-        while True:
-            try:
-                request_end = min(time.monotonic() + self.serving.request_timeout_s, end)
-                result = parse(self._send(method, path, body, request_end))
-                self._count(ok=1)
-                return result
-            except _Lost as e:
-                lost = e
-            if not lost.transient or time.monotonic() + delay >= end:
-                self._count(**{lost.outcome: 1}, lost_prompts=prompts)
-                log.warning(
-                    "%s %s%s: %s (%s); %d prompt(s) lost",
-                    method, self.url, path, lost.outcome, lost.detail, prompts,
-                )  # fmt: skip
-                return None
-            self._count(retries=1)
-            log.info(
-                "%s %s%s: %s (%s); retrying in %.1f s",
-                method,
-                self.url,
-                path,
-                lost.outcome,
-                lost.detail,
-                delay,
-            )
-            time.sleep(delay)
-            delay = min(2 * delay, 10.0)
-
-    def _map(self, fn: Any, items: list, bar: Any) -> list:
-        """fn(item) for every item with `serving.concurrency` requests in flight, results in order."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=self.serving.concurrency) as pool:
-            futures = [pool.submit(fn, item) for item in items]
-            results = []
-            for f in futures:
-                results.append(f.result())
-                bar.update(results[-1][1])
-        return [r for r, _ in results]
-
     def _served_model(self) -> tuple[str, int | None]:
         """The served model's name (the one model, or the one named like our reference) and its context."""
-
-        def parse(listing: dict) -> list[dict]:
-            models = listing.get("data")
-            if not isinstance(models, list) or not all(isinstance(m, dict) and "id" in m for m in models):
-                raise _Lost("malformed", "GET /v1/models: no list of models with ids", False)
-            return models
-
-        models = self._request("GET", "/v1/models", parse=parse)
-        if models is None:
-            raise ServedError(
-                f"{self.name} did not answer GET /v1/models ({counts_text(vars(self.ledger))}; see the log above)"
-            )
+        models = self._served_models()
         if len(models) != 1:
             named = [m for m in models if m.get("id") == self.model_ref]
             if len(named) != 1:
@@ -406,7 +267,7 @@ class ServerEngine(Engine):
             return self._map(one, list(range(len(prompts))), bar)
 
     def close(self) -> None:
-        self._pool.close()
+        ServedClient.close(self)
 
 
 def _load_tokenizer(model_ref: str) -> Any:

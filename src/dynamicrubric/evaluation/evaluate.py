@@ -15,8 +15,11 @@ pair or win-rate prompt), from which a study computes confidence intervals and p
 3. Win rate of the policy over the previous round's policy (variant "policy"), judged by the current
    evaluator: per held-out prompt one response from each, a dynamic rubric written over the two as
    the candidate set, scores compared; ties count half.
+4. The open-ended benchmarks (`evaluate.benchmarks`; variants named by benchmark): P_t against each
+   benchmark's baseline answers and against P_0, judged by `evaluate.benchmark_judge` (by default the
+   frozen verifier, never the generator being trained); benchmark_runs.py.
 
-The measurements themselves are in evaluation_metrics.py, the plots in plots.py.
+The measurements themselves are in metrics.py, the plots in plots.py.
 """
 
 from __future__ import annotations
@@ -32,7 +35,13 @@ import numpy as np
 import pandas as pd
 
 from dynamicrubric import tasks
-from dynamicrubric.engines import Engine, load_engine
+from dynamicrubric.engines import Engine, load_engine, load_judge
+from dynamicrubric.evaluation.benchmark_runs import (
+    benchmark_answers,
+    benchmark_judge,
+    benchmark_prompts,
+    judge_benchmarks,
+)
 from dynamicrubric.evaluation.guard import GUARD, guarded
 from dynamicrubric.evaluation.item_usefulness import summarise as summarise_items
 from dynamicrubric.evaluation.labelled import accuracy_by_origin, as_rollouts, labelled_lists
@@ -203,7 +212,9 @@ def _evaluator_scores(
     Runs the rubric and judge stages in process on temporary artifacts (so the evaluate stage measures
     exactly what the training rounds use): first every job's rubrics, grouped by generator, then every
     job's judgments with the verifier, so each model is loaded once. Scores of several rubric samples
-    are averaged."""
+    are averaged. (One engine call for all jobs' rubrics was tried: on the 2-core CPU it took 167 s
+    against 101 s, padding short static prompts to the dynamic ones' length; decoding there is
+    compute-bound, so batching saved nothing.)"""
     for job in jobs:
         job.rollouts_uri = str(workdir / f"{job.name}.rollouts.parquet")
         write_artifact(job.rollouts_uri, "rollouts", job.rollouts)
@@ -222,17 +233,15 @@ def _evaluator_scores(
                 engine=engines.get(writer),
             )
     out = {}
-    for job in sorted(jobs, key=lambda j: bool(j.verifier_url)):
+    for job in sorted(jobs, key=lambda j: j.judge is not None):  # the verifier's jobs, then another judge's
         judgments_uri = str(workdir / f"{job.name}.judgments.parquet")
         variant = "pointwise" if job.rubrics_uri is None else "rubric"
         judge_cfg = cfg.model_copy(update={"judge": cfg.judge.model_copy(update={"variant": variant})})
-        if job.verifier_url:  # a judge endpoint: a client, not a model to hold
+        if job.judge is not None and job.judge.url:  # a judge endpoint: a client, not a model to hold
             engines.release()
-            engine = load_engine(
-                verifier, cfg.engine, url=job.verifier_url, serving=cfg.serving, role="reference judge"
-            )
+            engine = load_judge(job.judge, cfg, role="gold judge")
         else:
-            engine = engines.get(verifier)
+            engine = engines.get(job.judge.model if job.judge is not None else verifier)
         run_judge(
             job.rollouts_uri,
             judgments_uri,
@@ -241,7 +250,7 @@ def _evaluator_scores(
             verifier=verifier,
             engine=engine,
         )
-        if job.verifier_url:
+        if job.judge is not None and job.judge.url:
             engine.close()
         inputs = (
             read_artifact(judgments_uri, "judgments"),
@@ -333,6 +342,14 @@ def run_evaluate(
             cfg, prompts, pool, policy=policy, previous_policy=previous_policy, seed=seed
         )
     rollouts, _ = split_samples(samples, cfg, samples_uri or "")
+    # (4) The benchmarks' answers, P_0's and P_t's, while the policies are the models at hand; they are
+    # judged after the evaluator's phase, when the judge (by default V) is.
+    bench_prompts = benchmark_prompts(cfg) if ev.benchmarks else {}
+    answers = (
+        benchmark_answers(cfg, bench_prompts, pool.get, policy=policy, base=cfg.models.policy, seed=seed)
+        if bench_prompts
+        else None
+    )
     if outcomes_uri:
         outcomes = read_frame(outcomes_uri, "outcomes")
     else:
@@ -374,6 +391,15 @@ def run_evaluate(
     jobs += probe_jobs
     with tempfile.TemporaryDirectory(prefix="dynrubric-evaluate-") as tmp:
         scores = _evaluator_scores(jobs, cfg, Path(tmp), pool, **roles) if jobs else {}
+    bench = None
+    if answers is not None:
+        judge = benchmark_judge(cfg, pool.get, verifier)
+        try:
+            bench = judge_benchmarks(cfg, bench_prompts, answers, judge, seed, first_round=round_idx == 1)
+        finally:
+            judge.close()
+        rows += bench.rows
+        units += bench.units
     pool.release()
 
     evaluated: dict[str, pd.DataFrame] = {}
@@ -435,7 +461,8 @@ def run_evaluate(
             [guard_record(cfg, report, round_idx, policy=policy, generator=generator)],
         )
     sets = traced_sets(jobs, scored, cfg.pipeline.traced_sets, generator=generator, verifier=verifier)
-    write_plots(out_plots_dir, metrics, evaluated, traced=sets)
+    pairs = bench.traced(cfg.pipeline.traced_sets) if bench is not None else None
+    write_plots(out_plots_dir, metrics, evaluated, traced=sets, benchmark_pairs=pairs)
     result = {
         f"{v}/{n}": float(x) for v, n, x in metrics[["variant", "name", "value"]].itertuples(index=False)
     }

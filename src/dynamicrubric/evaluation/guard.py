@@ -5,8 +5,8 @@ The evaluate stage of round t runs it on the held-out prompts (the probe), as fr
 - **Gold probe.** Each held-out prompt's candidate set holds P_t's k samples and P_{t-1}'s k samples
   (drawn with the same seed). The round's training evaluator (G_t's rubric over the set, judged by V;
   the baseline's evaluator for a baseline run) scores all 2k; the gold scores them too: the task's
-  checker where the prompt has one, else a fixed reference judge (the round-0 evaluator or a user's
-  judge endpoint, `models.reference_judge_url`). Per round: the training score and the gold of each
+  checker where the prompt has one, else a fixed reference judge (the round-0 evaluator, or the judge
+  `guard.gold_judge` names: a model, or any OpenAI-compatible endpoint). Per round: the training score and the gold of each
   policy (the mean over prompts of the mean over its samples), their change from P_{t-1} to P_t
   (paired by prompt), and the evaluator's agreement with the gold: pairwise accuracy over the set's
   response pairs whose gold differs (1 when the evaluator orders them as the gold does, 0.5 for a tie,

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from dynamicrubric import tasks
-from dynamicrubric.evaluation.metrics import pairwise_accuracy, rankable
+from dynamicrubric.evaluation.metrics import listwise_accuracy, ndcg, pairwise_accuracy, rankable
 from dynamicrubric.infra.artifact_kinds import ArtifactError
 from dynamicrubric.infra.artifacts import artifact_kind, read_frame
 
@@ -149,7 +149,9 @@ def labelled_lists(
 
 
 def accuracy_by_origin(lists: pd.DataFrame) -> dict[str, float]:
-    """Pairwise accuracy on the user's files alone and on the policy's outcome lists alone.
+    """Pairwise accuracy on the user's files alone and on the policy's outcome lists alone, and on the
+    user's ranked lists the listwise measures the paper reports for AEOLLM and LMSYS: top-1 accuracy
+    (the list's best response scored highest) and nDCG.
 
     The files are a fixed held-out set, comparable from round to round; the outcome lists are the
     current policy's own samples and change with it. NaN (later dropped) when one side has no pair.
@@ -158,4 +160,6 @@ def accuracy_by_origin(lists: pd.DataFrame) -> dict[str, float]:
     return {
         "pairwise_accuracy_labelled": pairwise_accuracy(lists[~from_outcomes]),
         "pairwise_accuracy_outcomes": pairwise_accuracy(lists[from_outcomes]),
+        "top1_accuracy_labelled": listwise_accuracy(lists[~from_outcomes]),
+        "ndcg_labelled": ndcg(lists[~from_outcomes]),
     }

@@ -19,6 +19,10 @@ PLOT_NAMES = ("scores.png", "gap_tie.png", "accuracy.png", "policy.png")
 # Beside the plots: the judged candidate sets the stage traced (evaluate.traced_sets), which its MLflow
 # run logs as traces and the run report shows.
 TRACED_SETS = "traced_sets.json"
+# And the benchmarks' judged pairs it traced (benchmark_runs.BenchmarkResults.traced), logged likewise.
+BENCHMARK_PAIRS = "benchmark_pairs.json"
+# Everything a plots folder holds: how a rerun tells an earlier plots output from another folder.
+PLOTS_FOLDER_FILES = frozenset((*PLOT_NAMES, TRACED_SETS, BENCHMARK_PAIRS))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -27,10 +31,15 @@ TRACED_SETS = "traced_sets.json"
 
 
 def write_plots(
-    out_dir: str, metrics: pd.DataFrame, evaluated: dict[str, pd.DataFrame], traced: list[dict] | None = None
+    out_dir: str,
+    metrics: pd.DataFrame,
+    evaluated: dict[str, pd.DataFrame],
+    traced: list[dict] | None = None,
+    benchmark_pairs: list[dict] | None = None,
 ) -> list[str]:
     """Write the PNG plots into `out_dir` (a path or s3:// prefix), and the `traced` sets as
-    TRACED_SETS beside them when given; return the plots' file names.
+    TRACED_SETS and the `benchmark_pairs` as BENCHMARK_PAIRS beside them when given; return the plots'
+    file names.
 
     scores.png: per variant, the score distribution of best vs other responses; gap_tie.png: mean gap,
     gap on correct pairs, tie and uniformity rate per variant; accuracy.png: pairwise / listwise
@@ -87,6 +96,8 @@ def write_plots(
         _save(fig, Path(tmp, "policy.png"))
         if traced is not None:
             Path(tmp, TRACED_SETS).write_text(json.dumps(traced))
+        if benchmark_pairs is not None:
+            Path(tmp, BENCHMARK_PAIRS).write_text(json.dumps(benchmark_pairs))
         store.upload_dir(tmp, out_dir)
     return list(PLOT_NAMES)
 

@@ -18,7 +18,7 @@ import pandas as pd
 from dynamicrubric import tasks
 from dynamicrubric.evaluation.guard import GUARD, GuardReport, canary_sets, guarded, measure, shuffled_order
 from dynamicrubric.infra.artifacts import read_frame
-from dynamicrubric.infra.config import Config, SeedPurpose, policy_variant, round_seed
+from dynamicrubric.infra.config import Config, JudgeSpec, SeedPurpose, policy_variant, round_seed
 from dynamicrubric.infra.model_references import model_reference
 
 # What each guard.action does once the alarm fires, in the words of the log line.
@@ -42,7 +42,7 @@ class EvalJob:
     gold: dict | None = None  # (list id, sample_idx) -> rank in its labelled list (1 = best)
     checker: dict | None = None  # (prompt_id, sample_idx) -> the checker's score of a policy sample
     generator: str | None = None  # another generator than the stage's (the guard's round-0 gold)
-    verifier_url: str = ""  # a judge endpoint instead of the stage's verifier (models.reference_judge_url)
+    judge: JudgeSpec | None = None  # another judge than the stage's verifier (guard.gold_judge)
 
 
 def probe_variant(cfg: Config) -> str:
@@ -129,8 +129,9 @@ def guard_jobs(
     unchecked = [pid for pid in probe["prompt_id"].unique() if not tasks.is_verifiable(by_id[pid])]
     if unchecked:
         rest = probe[probe["prompt_id"].isin(unchecked)]
-        if cfg.models.reference_judge_url:
-            jobs.append(EvalJob("reference", rest, "pointwise", verifier_url=cfg.models.reference_judge_url))
+        gold = cfg.guard.gold_judge
+        if gold.url or gold.model:
+            jobs.append(EvalJob("reference", rest, "pointwise", judge=gold))
         else:  # the round-0 evaluator: the base generator's rubric over the set, judged by V
             jobs.append(EvalJob("reference", rest, "dynamic", generator=reference_generator))
     return jobs

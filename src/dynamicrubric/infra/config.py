@@ -30,6 +30,7 @@ from dynamicrubric.infra.config_sections import (
     STAGE_FACTS,
     TENSOR_PARALLEL_ENV,
     AggregateConfig,
+    BenchmarkConfig,
     ConfigError,
     DataConfig,
     EngineConfig,
@@ -37,6 +38,7 @@ from dynamicrubric.infra.config_sections import (
     EvaluatorTrainConfig,
     GuardConfig,
     JudgeConfig,
+    JudgeSpec,
     ModelsConfig,
     ModelSizes,
     PipelineConfig,
@@ -56,6 +58,7 @@ from dynamicrubric.infra.config_sections import (
 # The sections are part of this module's interface: `from dynamicrubric.infra.config import TrainConfig`.
 __all__ = [
     "AggregateConfig",
+    "BenchmarkConfig",
     "Config",
     "ConfigError",
     "DiskPlan",
@@ -67,6 +70,7 @@ __all__ = [
     "GuardConfig",
     "GIB",
     "JudgeConfig",
+    "JudgeSpec",
     "MAX_SAMPLES",
     "MAX_SEED",
     "ModelSizes",

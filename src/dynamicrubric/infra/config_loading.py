@@ -34,11 +34,17 @@ def preset_dict(name: str) -> dict:
     return yaml.safe_load(text) or {}
 
 
+# Keys that moved: an old config gets the new key's name, not only "unknown key".
+MOVED_KEYS = {"models.reference_judge_url": "guard.gold_judge.url (a judge is named the same way everywhere)"}
+
+
 def _format_error(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "extra_forbidden" and key in MOVED_KEYS:
+            lines.append(f"{source}: {key} is now {MOVED_KEYS[key]}")
+        elif e["type"] == "extra_forbidden":
             lines.append(f"{source}: unknown key {key!r}")
         elif not e["loc"]:  # a check across sections: its input would be the whole config
             lines.append(f"{source}: {e['msg'].removeprefix('Value error, ')}")

@@ -90,12 +90,8 @@ class ModelsConfig(Section):
     # ids). "": the training stages serve it themselves on `train_*.reward_gpus`, or load it in-process.
     generator_url: str = ""
     verifier_url: str = ""
-    # The signal guard's gold for held-out prompts without a checker (guard.py): a team's judge behind an
-    # OpenAI-compatible server, asked pointwise ("is this response good?") with the verifier's model
-    # reference naming its tokenizer. "": the round-0 evaluator (the base generator's rubrics, judged by V).
-    reference_judge_url: str = ""
 
-    @field_validator("generator_url", "verifier_url", "reference_judge_url")
+    @field_validator("generator_url", "verifier_url")
     @classmethod
     def _http_url(cls, value: str) -> str:
         if value and not value.startswith(("http://", "https://")):
@@ -103,6 +99,40 @@ class ModelsConfig(Section):
                 f"expected an http:// or https:// base URL of an OpenAI-compatible server, got {value!r}"
             )
         return value.rstrip("/")
+
+
+def _judge_url(value: str) -> str:
+    if value and not value.startswith(("http://", "https://")):
+        raise ValueError(
+            f"expected an http:// or https:// base URL of an OpenAI-compatible server, got {value!r}"
+        )
+    return value.rstrip("/")
+
+
+class JudgeSpec(Section):
+    """A judge, named the same way wherever the config asks for one (the benchmarks' judge, the signal
+    guard's gold): a model run in the task's process, or any OpenAI-compatible chat endpoint, asked
+    yes/no questions (engines/chat_judge.py). Neither: the default that the key's comment names."""
+
+    model: str = ""  # a model reference (folder, hub id, built-in name) run in the task's process
+    # An OpenAI-compatible base URL, e.g. https://api.openai.com/v1 (GPT-4.1, as the paper's appendix
+    # re-judges), a vLLM server's http://judge:8000/v1, a team's judge service.
+    url: str = ""
+    served_model: str = ""  # the model the endpoint is asked for ("gpt-4.1"); "": the one it serves
+    api_key_env: str = ""  # the environment variable that holds the endpoint's key (the key never goes here)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        return _judge_url(value)
+
+    @model_validator(mode="after")
+    def _one_judge(self) -> JudgeSpec:
+        if self.model and self.url:
+            raise ValueError("name the judge's model or its url, not both")
+        if (self.served_model or self.api_key_env) and not self.url:
+            raise ValueError("served_model and api_key_env name an endpoint's model and key: set url too")
+        return self
 
 
 class EngineConfig(Section):
@@ -325,6 +355,17 @@ class GuardConfig(Section):
     )
     order_audit: bool = True
     bootstrap: int = Field(1000, ge=100, le=100_000)  # resamples for the intervals
+    # The gold of held-out prompts without a checker: this judge, asked pointwise ("is this response good
+    # and correct?"). None named: the round-0 evaluator (the base generator's rubrics, judged by V).
+    gold_judge: JudgeSpec = JudgeSpec()
+
+
+class BenchmarkConfig(Section):
+    """One open-ended benchmark of the paper's policy table, judged every round (evaluation/benchmarks.py)."""
+
+    name: Literal["alpaca_eval", "arena_hard_v2", "writingbench"]
+    prompts: int | None = Field(None, ge=1)  # a seeded subset of this many prompts; None: all of them
+    file: str = ""  # a file of the same shape (JSONL or Parquet, local or s3://) instead of the package's
 
 
 class EvaluateConfig(Section):
@@ -332,6 +373,21 @@ class EvaluateConfig(Section):
     samples: int = Field(4, ge=1, le=MAX_SAMPLES)  # k for avg@k / pass@k
     sandbox_timeout_s: float = Field(10.0, gt=0)
     win_rate: bool = True
+    # The open-ended benchmarks: P_t's and P_0's answers judged against the benchmark's baseline answers
+    # and each other (evaluation/benchmark_runs.py). Their judge: none named, the frozen verifier V, never
+    # the generator being trained; every table names it.
+    benchmarks: list[BenchmarkConfig] = []
+    benchmark_judge: JudgeSpec = JudgeSpec()
+    benchmark_max_new_tokens: int = Field(512, ge=1)  # each answer's token budget
+    benchmark_max_chars: int = Field(6000, ge=100)  # each text in a judge's question clipped at this length
+
+    @field_validator("benchmarks")
+    @classmethod
+    def _each_once(cls, value: list[BenchmarkConfig]) -> list[BenchmarkConfig]:
+        names = [b.name for b in value]
+        if len(names) != len(set(names)):
+            raise ValueError(f"each benchmark once, got {names}")
+        return value
 
 
 class Toleration(Section):
@@ -439,6 +495,9 @@ class PipelineConfig(Section):
     tolerations: list[Toleration] = []
     s3_secret: str = "dynamicrubric-s3"  # Kubernetes Secret holding AWS_* keys, mounted as env
     image_pull_secrets: list[str] = []  # Secrets of type kubernetes.io/dockerconfigjson, on every task
+    # A Secret holding the judges' endpoint keys (evaluate.benchmark_judge, guard.gold_judge): each judge's
+    # api_key_env is set from the Secret's key of the same name, on the evaluate tasks only. "": none.
+    judge_secret: str = ""
     # Kubernetes ServiceAccount the run's pods use; "" leaves it to the KFP server (`default-editor` in a
     # multi-user Kubeflow profile). Naming one may need the server's allow-list (docs/deploy.md).
     service_account: str = ""

@@ -210,3 +210,49 @@ def log_traced_sets(run: StageRun, sets: list[dict], round_idx: int) -> list[str
                 live.info.assessments.extend(assessments)
         ids.append(trace_id)
     return ids
+
+
+def log_benchmark_pairs(run: StageRun, pairs: list[dict], round_idx: int) -> list[str]:
+    """Each judged benchmark prompt (benchmark_runs.BenchmarkResults.traced) as one MLflow trace of the
+    stage's run: the prompt and the answers as the root span's inputs, a span per question with the
+    judge's P(yes) as a Feedback (source LLM_JUDGE, the judge's label; a failed call as an error, never a
+    verdict). Returns the trace ids."""
+    from mlflow.entities import AssessmentError, AssessmentSource, AssessmentSourceType, SpanType
+    from mlflow.entities.assessment import Feedback
+    from mlflow.tracing.trace_manager import InMemoryTraceManager
+
+    os.environ["MLFLOW_ENABLE_ASYNC_TRACE_LOGGING"] = "false"  # written when its root span ends
+    mlflow = run.mlflow
+    ids = []
+    for pair in pairs:
+        judge = AssessmentSource(source_type=AssessmentSourceType.LLM_JUDGE, source_id=pair["judge"])
+        name = f"benchmark {pair['benchmark']} {pair['id']}"
+        with mlflow.start_span(name=name, span_type=SpanType.EVALUATOR) as root:
+            trace_id = root.trace_id
+            root.set_inputs({"benchmark": pair["benchmark"], "id": pair["id"], "answers": pair["answers"]})
+            root.set_attributes({"round": round_idx, "judge": pair["judge"]})
+            assessments = []
+            for q in pair["questions"]:
+                label = f"{q['measure']} {q['criterion'] or ('judged answer first', 'judged answer second')[q['order']]}"
+                with mlflow.start_span(name=label[:250], span_type=SpanType.LLM) as span:
+                    span.set_inputs({"question": q["question"]})
+                    span.set_outputs({"p_yes": q["p_yes"]})
+                failed = q["p_yes"] is None
+                assessments.append(
+                    Feedback(
+                        name=label[:250],
+                        value=None if failed else q["p_yes"],
+                        error=AssessmentError(
+                            error_code="VERDICT_FAILED", error_message="the judge's call failed"
+                        )
+                        if failed
+                        else None,
+                        source=judge,
+                        trace_id=trace_id,
+                        span_id=span.span_id,
+                    )
+                )
+            with InMemoryTraceManager.get_instance().get_trace(trace_id) as live:
+                live.info.assessments.extend(assessments)
+        ids.append(trace_id)
+    return ids

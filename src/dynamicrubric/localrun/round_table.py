@@ -43,6 +43,15 @@ LEGEND = [
         "mean within-group correlation of the policy's reward with its completions' length, over steps",
     ),
     ("alarm", "the guard's alarms that fired (hacking, agreement, canary, order); quiet: none"),
+    (
+        "vs_baseline",
+        "benchmarks: P_t's win rate over the benchmark's baseline answers, both orders judged, a split a tie "
+        "(WritingBench: P_t's mean P(yes) over each query's checklist); [lo, hi] a 95% bootstrap interval",
+    ),
+    ("lc", "AlpacaEval 2's length-controlled win rate (its GLM without the instruction-difficulty term)"),
+    ("vs_p0", "P_t's win rate over P_0's answers (WritingBench: P_t's score minus P_0's)"),
+    ("p0", "P_0's number against the baseline, as vs_baseline (win rates: judged in a run's first round)"),
+    ("failed", "benchmark prompts with a failed judge call: left out of n, never a loss"),
 ]
 
 
@@ -76,9 +85,38 @@ def round_table(cfg: Config, parent_run_id: str) -> list[dict]:
                 "policy_acc": _with_n(ev, "policy/accuracy", "policy/samples"),
                 "win_rate": _with_n(ev, "policy/win_rate", "policy/win_rate_prompts"),
                 **_guard_columns(cfg, ev, by_run.get("train-policy")),
+                "benchmarks": {b.name: _benchmark_cells(b.name, ev) for b in cfg.evaluate.benchmarks},
             }
         )
     return table
+
+
+def _benchmark_cells(name: str, ev: dict) -> dict:
+    """One benchmark's line of the round table from the evaluate metrics (evaluation/benchmark_runs.py):
+    P_t against the baseline (a checklist's: P_t's score) and against P_0, each with its 95% interval."""
+    from dynamicrubric.evaluation.benchmarks import BENCHMARKS
+
+    pairwise = BENCHMARKS[name].kind == "pairwise"
+    main, versus = ("win_rate", "win_rate_vs_p0") if pairwise else ("score", "score_vs_p0")
+    return {
+        "benchmark": BENCHMARKS[name].title,
+        "vs_baseline": _interval_text(ev, f"{name}/{main}", signed=False),
+        "lc": ev.get(f"{name}/lc_win_rate"),
+        "vs_p0": _interval_text(ev, f"{name}/{versus}", signed=not pairwise),
+        "p0": ev.get(f"{name}/{main}_p0"),
+        "n": None if f"{name}/n" not in ev else int(ev[f"{name}/n"]),
+        "failed": None if f"{name}/failed" not in ev else int(ev[f"{name}/failed"]),
+    }
+
+
+def _interval_text(metrics: dict, key: str, signed: bool) -> str | None:
+    if key not in metrics:
+        return None
+    value, lo, hi = metrics[key], metrics.get(f"{key}_lo"), metrics.get(f"{key}_hi")
+    if value != value:
+        return "-"
+    number = f"{value:+.3f}" if signed else f"{value:.3f}"
+    return number + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None and hi is not None and lo == lo else "")
 
 
 def _guard_columns(cfg: Config, ev: dict, train_policy) -> dict:
@@ -148,14 +186,19 @@ def _main_variant(cfg: Config) -> str:
 GUARD_COLUMNS = ("gold", "agreement", "canary", "order", "len_corr", "alarm")
 
 
-def format_table(rows: list[dict]) -> str:
+def format_table(rows: list[dict], judge: str = "") -> str:
+    """The round table: the signal's block, the signal guard's, and the benchmarks' (a line a round and
+    benchmark, under a heading that names `judge`)."""
     if not rows:
         return "(no rounds recorded)"
-    signal = [{k: v for k, v in r.items() if k not in GUARD_COLUMNS} for r in rows]
+    signal = [{k: v for k, v in r.items() if k not in (*GUARD_COLUMNS, "benchmarks")} for r in rows]
     guard = [{"round": r["round"], **{k: r[k] for k in GUARD_COLUMNS if k in r}} for r in rows]
     blocks = [_block(signal)]
     if any(r.get("alarm") is not None for r in rows):
         blocks.append(_block(guard))
+    benchmarks = [{"round": r["round"], **cells} for r in rows for cells in r.get("benchmarks", {}).values()]
+    if benchmarks:
+        blocks.append(f"Benchmarks, judged by {judge}:\n" + _block(benchmarks))
     return "\n\n".join(blocks)
 
 
@@ -174,6 +217,7 @@ SMALL_MODEL = "smollm2-135m-instruct"
 
 def format_legend(rows: list[dict], cfg: Config | None = None) -> str:
     shown = set(rows[0]) if rows else set()
+    shown |= {k for r in rows for cells in r.get("benchmarks", {}).values() for k in cells}
     width = max(len(name) for name, _ in LEGEND)
     lines = [f"  {name.ljust(width)}  {meaning}" for name, meaning in LEGEND if name in shown]
     lines.append(
@@ -220,11 +264,12 @@ def _fmt(value) -> str:
 def report(cfg: Config, result: LocalRun, page: str = "") -> str:
     """What `dynrubric run` prints at the end: the round table with its legend, where everything is
     (`page`: the run report page), and whether anything ran at all."""
+    from dynamicrubric.evaluation.benchmark_runs import judge_label
     from dynamicrubric.evaluation.probe import ACTION_WORDS
     from dynamicrubric.pipelines.run_plan import guard_action
 
     rows = round_table(cfg, result.parent_run_id)
-    out = ["", format_table(rows), "", "Legend:", format_legend(rows, cfg), ""]
+    out = ["", format_table(rows, judge_label(cfg)), "", "Legend:", format_legend(rows, cfg), ""]
     fired = [str(r["round"]) for r in rows if r.get("alarm") not in (None, "quiet")]
     if fired:
         action = guard_action(cfg)

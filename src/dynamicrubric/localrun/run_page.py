@@ -21,6 +21,7 @@ from pathlib import Path
 
 from dynamicrubric.infra import tracking
 from dynamicrubric.infra.config import Config
+from dynamicrubric.localrun.run_page_benchmarks import section as benchmark_section
 from dynamicrubric.localrun.run_page_data import collect
 from dynamicrubric.localrun.run_page_sections import _e, _guard, _ledger, _samples, _signals, _table
 
@@ -77,9 +78,14 @@ tricks (canaries: filler, a "master key", formatting, an empty or restated answe
 answer they decorate, and do its scores move when it sees the responses in another order. Intervals are
 95% bootstraps over the probe prompts.</p>
 {_guard(data)}
-<h2>4. Judge calls</h2>
+<h2>4. Open-ended benchmarks</h2>
+<p>The policy on the paper's open-ended benchmarks: each round's P_t against the benchmark's baseline
+answers, and against P_0, by the benchmark judge (section numbers with their 95% bootstrap interval and
+n).</p>
+{benchmark_section(data["benchmarks"])}
+<h2>5. Judge calls</h2>
 {_ledger(data)}
-<h2>5. Judged samples</h2>
+<h2>6. Judged samples</h2>
 <p>Per round, the candidate sets the evaluate stage judged (the same sets as its MLflow traces): the
 prompt, G's rubric items with their weights, each response with V's P(yes) per item, its score and its
 gold (rank in its labelled list, 1 = best; the checker's score). A failed verdict shows as

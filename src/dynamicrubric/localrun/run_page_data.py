@@ -10,10 +10,12 @@ import os
 import tempfile
 from pathlib import Path
 
+from dynamicrubric.evaluation.benchmark_runs import judge_label
 from dynamicrubric.evaluation.plots import TRACED_SETS
 from dynamicrubric.infra import tracking
 from dynamicrubric.infra.config import Config
 from dynamicrubric.localrun.round_table import GUARD_COLUMNS, LEGEND, round_table, scale_notes
+from dynamicrubric.localrun.run_page_benchmarks import table_data as benchmark_table
 
 # The signal curves over rounds: (key in a round's signals, label, the audit metric it comes from).
 SIGNALS = [
@@ -35,6 +37,7 @@ def collect(cfg: Config, parent_run_id: str) -> dict:
     by_round = tracking.stage_runs_by_round(cfg, parent_run_id)
     rows = round_table(cfg, parent_run_id)
     rounds = []
+    evaluated: dict[int, dict] = {}  # each round's evaluate metrics, for the benchmark table
     for row in rows:
         t = row["round"]
         stages = {s.data.tags.get(tracking.STAGE_TAG): s for s in by_round.get(t, [])}
@@ -49,6 +52,8 @@ def collect(cfg: Config, parent_run_id: str) -> dict:
                     kind = key.rsplit("/calls_", 1)[1]
                     ledger[kind] = ledger.get(kind, 0.0) + value
         evaluate = stages.get("evaluate")
+        if evaluate is not None:
+            evaluated[t] = evaluate.data.metrics
         guard = {
             k.removeprefix("guard/"): v
             for k, v in (evaluate.data.metrics if evaluate else {}).items()
@@ -86,6 +91,9 @@ def collect(cfg: Config, parent_run_id: str) -> dict:
             for name, meaning in LEGEND
             if rows and name in rows[0] and name not in GUARD_COLUMNS
         ],
+        "benchmarks": benchmark_table(evaluated, judge_label(cfg), [b.name for b in cfg.evaluate.benchmarks])
+        if cfg.evaluate.benchmarks
+        else None,
         "guard_action": cfg.guard.action,
         "notes": [n.strip() for n in scale_notes(cfg)],
         "rounds": rounds,

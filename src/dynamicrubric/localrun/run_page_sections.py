@@ -91,7 +91,7 @@ def _table(data: dict) -> str:
     rounds = data["rounds"]
     if not rounds:
         return "<p>(no rounds recorded)</p>"
-    headers = [h for h in rounds[0]["row"] if h not in GUARD_COLUMNS]
+    headers = [h for h in rounds[0]["row"] if h not in (*GUARD_COLUMNS, "benchmarks")]
     out = ['<table id="round-table"><tr>' + "".join(f"<th>{_e(h)}</th>" for h in headers) + "</tr>"]
     for r in rounds:
         cells = []

@@ -89,6 +89,36 @@ def judge_context(task: str, response: str, max_response_chars: int) -> str:
     return JUDGE_CONTEXT.format(task=task.strip(), response=_clip(response.strip(), max_response_chars))
 
 
+# The open-ended benchmarks (evaluation/benchmark_runs.py), asked of the benchmark judge as yes/no
+# questions: a pair of answers in both orders, or a checklist's criteria one at a time (the context is
+# then JUDGE_CONTEXT, shared by the criteria about one answer).
+PAIRWISE_CONTEXT = "Instruction:\n{task}\n\nResponse A:\n{a}\n\nResponse B:\n{b}\n\n"
+PAIRWISE_QUESTION = (
+    "Is response A better than response B: more helpful, correct, complete and clearly written? "
+    "Answer yes or no."
+)
+CHECKLIST_QUESTION = (
+    "Criterion: {name}. {description}\nDoes the response meet the criterion? Answer yes or no."
+)
+
+
+def benchmark_task(task: str, max_chars: int) -> str:
+    """A benchmark prompt as the policy reads it: clipped at `max_chars` (evaluate.benchmark_max_chars),
+    so that it fits a small model's context (WritingBench's queries run to 10,000+ characters)."""
+    return _clip(task.strip(), max_chars)
+
+
+def pairwise_context(task: str, a: str, b: str, max_chars: int) -> str:
+    """The instruction and two answers, each clipped at `max_chars`, labelled A and B in this order."""
+    return PAIRWISE_CONTEXT.format(
+        task=_clip(task.strip(), max_chars), a=_clip(a.strip(), max_chars), b=_clip(b.strip(), max_chars)
+    )
+
+
+def checklist_question(name: str, description: str) -> str:
+    return CHECKLIST_QUESTION.format(name=name.strip().rstrip("."), description=description.strip())
+
+
 def split_chat_prompt(render, context: str, question: str) -> tuple[str, str]:
     """(prefix, suffix) of the chat-rendered user message `context + question`.
 

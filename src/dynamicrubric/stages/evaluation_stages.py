@@ -8,7 +8,7 @@ import logging
 import time
 
 from dynamicrubric import store
-from dynamicrubric.evaluation.plots import TRACED_SETS
+from dynamicrubric.evaluation.plots import BENCHMARK_PAIRS, TRACED_SETS
 from dynamicrubric.infra import tracking_records
 from dynamicrubric.infra.artifacts import read_frame, write_artifact
 from dynamicrubric.infra.config import Config
@@ -165,6 +165,13 @@ def _evaluate_lineage(run, run_name: str, round_idx: int, values: dict, result: 
         started = time.perf_counter()
         ids = tracking_records.log_traced_sets(run, json.loads(store.read_bytes(traced)), round_idx)
         run.log_metrics({"traced_sets": len(ids), "tracing_s": time.perf_counter() - started})
+    pairs_uri = values["out_plots"].rstrip("/") + "/" + BENCHMARK_PAIRS
+    if store.exists(pairs_uri):
+        pairs = json.loads(store.read_bytes(pairs_uri))
+        ids = tracking_records.log_benchmark_pairs(run, pairs, round_idx)
+        run.log_metrics({"traced_benchmark_prompts": len(ids)})
+        if pairs:
+            run.set_tags({"benchmark_judge": pairs[0]["judge"]})
     for role, metrics in metrics_by_role(result).items():
         model_id = run.find_model(run_name, f"{role}-round-{round_idx}")
         if model_id:  # link each checkpoint to the numbers about its own role
@@ -176,7 +183,14 @@ def _evaluate_lineage(run, run_name: str, round_idx: int, values: dict, result: 
         verdict = "quiet" if record["healthy"] else f"fired ({record['alarms']}): {record['reasons']}"
         run.set_tags({"guard.alarm": verdict}, above={f"guard.round-{round_idx}": verdict})
     # the task's log line (these are logged above, per step, by log_metrics_table)
-    shown = ("policy/accuracy", "policy/win_rate", "guard/alarm")
+    shown = (
+        "policy/accuracy",
+        "policy/win_rate",
+        "guard/alarm",
+        "alpaca_eval/win_rate",
+        "arena_hard_v2/win_rate",
+        "writingbench/score",
+    )
     run.summary.update({k: result[k] for k in shown if k in result})
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamicrubric import store
-from dynamicrubric.evaluation.plots import PLOT_NAMES, TRACED_SETS
+from dynamicrubric.evaluation.plots import PLOTS_FOLDER_FILES
 from dynamicrubric.infra import logs, tracking, tracking_runs
 from dynamicrubric.infra.config import Config
 from dynamicrubric.infra.config_loading import config_from_yaml
@@ -227,14 +227,13 @@ def _check_replaceable(uri: str, kind: str) -> None:
         )
     listed = manifest["files"]
     names = set(listed) if listed is not None else {r for r in tops if r != store.COMPLETE_MARKER}
-    plots = {*PLOT_NAMES, TRACED_SETS}
     found = (
         "model"
         if "config.json" in names
         else "reference"
         if names == {REFERENCE_FILE}
         else "plots"
-        if names <= plots
+        if names <= PLOTS_FOLDER_FILES
         else "other"
     )
     if found != kind:

@@ -1,0 +1,138 @@
+"""`ChatJudge`: an engine that only judges, through any OpenAI-compatible chat endpoint (OpenAI's GPT-4.1, a
+vLLM server, a team's judge service): P(yes) from the first answer token's top log-probabilities.
+
+It needs no local tokenizer: the endpoint applies its own chat template, so `chat_prompt` is the user
+message's text itself (a judge's prefix and question split it as for any engine), each question goes as
+one chat message, and the reply's first token's
+`top_logprobs` (20, the most OpenAI returns) give P(yes) = Σ P(yes spellings) / (Σ P(yes) + Σ P(no)) over
+the label spellings the engines count (engines/base.py). A label missing from the top 20 counts as
+probability 0; a reply with neither is a failed call (`missing_label_tokens`), as is any request that
+fails after its retries: its P(yes) is NaN, counted in the ledger, never a verdict.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from dynamicrubric.engines.base import (
+    NO_SPELLINGS,
+    YES_SPELLINGS,
+    Engine,
+    EngineError,
+    Generation,
+    bar_or,
+    logsumexp,
+)
+from dynamicrubric.engines.served_client import ServedClient
+from dynamicrubric.engines.server_requests import _choices, _finished, _Lost
+from dynamicrubric.infra.config import ServingConfig
+
+TOP_LOGPROBS = 20
+_YES, _NO = set(YES_SPELLINGS), set(NO_SPELLINGS)
+
+
+class ChatJudge(Engine, ServedClient):
+    """`served_model`: the model name the endpoint serves ("" where it serves exactly one, which is then
+    asked for). `api_key_env`: the environment variable that holds the endpoint's key ("" for none)."""
+
+    tokenizer = None  # the endpoint tokenizes
+
+    def __init__(
+        self,
+        url: str,
+        serving: ServingConfig,
+        *,
+        served_model: str = "",
+        api_key_env: str = "",
+        role: str = "judge",
+    ) -> None:
+        key = os.environ.get(api_key_env, "") if api_key_env else ""
+        if api_key_env and not key:
+            raise EngineError(
+                f"{role}: the environment variable {api_key_env}, which holds the key of {url}, is not set"
+            )
+        super().__init__(url, serving, name=f"the {role} at {url}", api_key=key)
+        self.served_model = served_model or self._only_model()
+        self.model_ref = f"{self.served_model} at {self.url}"
+
+    def _only_model(self) -> str:
+        ids = [str(m["id"]) for m in self._served_models()]
+        if len(ids) != 1:
+            raise EngineError(f"{self.name} serves {ids}: name the one to ask in the judge's served_model")
+        return ids[0]
+
+    def chat_prompt(self, messages: list[dict], *, enable_thinking: bool | None = None) -> str:
+        """The one user message's text: the endpoint renders its own template."""
+        if (
+            len(messages) != 1
+            or messages[0].get("role") != "user"
+            or not isinstance(messages[0].get("content"), str)
+        ):
+            raise EngineError(f"{self.name}: a judge question is one user message, got {messages!r}")
+        return messages[0]["content"]
+
+    def yes_probability(
+        self, pairs: list[tuple[str, str]], desc: str = "judge", *, bar: Any = None
+    ) -> list[float]:
+        """P(yes) of each (prefix, suffix) question, sent whole as one user message; NaN for a failed call."""
+        return self.p_yes([prefix + suffix for prefix, suffix in pairs], desc, bar=bar)
+
+    def _generate(self, prompts: list[str], sampling: Any, desc: str) -> list[Generation]:
+        raise EngineError(f"{self.name} only judges: it cannot generate")
+
+    def logprobs(self, prompts: list[str], completions: list[str]) -> list[list[float]]:
+        raise EngineError(f"{self.name} only judges: it gives no log-probabilities of completions")
+
+    def close(self) -> None:
+        ServedClient.close(self)
+
+    def p_yes(self, questions: list[str], desc: str = "judge", *, bar: Any = None) -> list[float]:
+        """P(yes) for each question (a whole user message), NaN where its call failed."""
+        end = self._call_end()
+
+        def one(text: str) -> tuple[float, int]:
+            body = {
+                "model": self.served_model,
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "logprobs": True,
+                "top_logprobs": TOP_LOGPROBS,
+            }
+            p = self._request("POST", "/v1/chat/completions", body, parse=_p_yes, end=end)
+            return (math.nan if p is None else p), 1
+
+        with bar_or(bar, len(questions), desc) as progress:
+            return self._map(one, questions, progress)
+
+
+def _p_yes(answer: dict) -> float:
+    choice = _choices(answer, 1)[0]
+    _finished([choice])
+    logprobs: Any = choice.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    top = (
+        content[0].get("top_logprobs")
+        if isinstance(content, list) and content and isinstance(content[0], dict)
+        else None
+    )
+    if not isinstance(top, list) or not all(isinstance(t, dict) for t in top):
+        raise _Lost("malformed", "a choice without the first token's top_logprobs", False)
+    yes, no = [], []
+    for entry in top:
+        token, value = entry.get("token"), entry.get("logprob")
+        if not isinstance(token, str) or isinstance(value, bool) or not isinstance(value, int | float):
+            raise _Lost("malformed", f"a top_logprobs entry {entry!r}", False)
+        if math.isnan(value) or value > 0:
+            raise _Lost("malformed", f"token {token!r} has log-prob {value!r}", False)
+        (yes if token in _YES else no if token in _NO else []).append(float(value))
+    if not yes and not no:
+        raise _Lost("missing_label_tokens", "neither yes nor no among the first token's top log-probs", False)
+    gap = logsumexp(yes) - logsumexp(no)
+    if gap == math.inf:
+        return 1.0
+    if gap == -math.inf:
+        return 0.0
+    return 1.0 / (1.0 + math.exp(-gap)) if gap >= 0 else math.exp(gap) / (1.0 + math.exp(gap))

