@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -126,8 +127,15 @@ def _cfg(urls: dict[str, str], serving: dict[str, Any]) -> Config:
 
 
 @pytest.fixture(scope="module")
-def model() -> str:
-    return str(resolve_model("tiny-random"))
+def model(tmp_path_factory) -> str:
+    """tiny-random with a generation_config.json that samples near-greedily (top_k 1, as Qwen3-8B's sets
+    top_k 20): a served model's defaults that must not reach the requests (test below)."""
+    folder = tmp_path_factory.mktemp("tiny-greedy-defaults") / "model"
+    shutil.copytree(resolve_model("tiny-random"), folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    config.update({"do_sample": True, "top_k": 1, "top_p": 0.1, "temperature": 0.05})
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    return str(folder)
 
 
 @pytest.fixture(scope="module")
@@ -496,3 +504,21 @@ def _all_rubrics(folder: Path) -> Any:
         if (folder / name).exists()
     ]
     return pd.concat(parts, ignore_index=True)
+
+
+def test_served_rubrics_sample_as_the_config_says_not_as_the_model_s_generation_config(proxies) -> None:
+    """The served model's generation_config.json says top_k 1, top_p 0.1, temperature 0.05: were vLLM to
+    fill the fields a request leaves out from it, the 4 rubric samples of one prompt at the config's
+    temperature 1.0 would be (nearly) one greedy text. The reward servers start with
+    `--generation-config vllm`, so they differ, as the in-process engines' samples do."""
+    from dynamicrubric.engines import ServerEngine
+
+    cfg = _cfg(_urls(proxies), {"request_timeout_s": 300.0, "deadline_s": 600.0})
+    proxies["generator"].reset()
+    engine = ServerEngine("tiny-random", proxies["generator"].url, cfg.serving, role="generator")
+    try:
+        prompt = engine.chat_prompt([{"role": "user", "content": "Write a rubric for: what is 7 + 5?"}])
+        (generation,) = engine.generate([prompt], n=4, temperature=1.0, top_p=1.0, max_new_tokens=24, seed=0)
+    finally:
+        engine.close()
+    assert len(set(generation.texts)) == 4, generation.texts

@@ -69,6 +69,10 @@ class VLLMServer:
         self._port_word = len(cmd) - 3
         cmd += ["--dtype", "auto" if cfg.engine.dtype == "auto" else cfg.engine.dtype]
         cmd += ["--enable-prefix-caching"]  # the judge's questions about one response share its prefix
+        # vLLM fills every sampling field a request leaves out from the model's generation_config.json
+        # (Qwen3-8B's top_k 20, say); the rubrics that reward the policy must sample as every other rubric
+        # of the run does, with the config's settings and nothing else.
+        cmd += ["--generation-config", "vllm"]
         if s.max_model_len:
             cmd += ["--max-model-len", str(s.max_model_len)]
         env = dict(os.environ)
