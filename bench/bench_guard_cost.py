@@ -81,23 +81,22 @@ def page_seconds(clone: Path, parent: str, out: Path) -> float:
     return time.perf_counter() - started
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repo", default=str(ROOT), help="the repository to clone (its HEAD)")
-    args = parser.parse_args(argv)
-
-    work = Path(tempfile.mkdtemp(prefix="bench-guard-"))
+def compare(repo: str, prefix: str, off_config: str, on: str, off: str) -> tuple[dict, dict, Path, Path]:
+    """The default run twice in a fresh clone of `repo`'s HEAD, SmolLM2 built first: `on` (the defaults)
+    and `off` (with `off_config`, YAML, laid over them). Returns (the result so far, the two runs, the
+    work folder, the clone)."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
     clone = work / "dynamicrubric"
-    head = subprocess.run(["git", "-C", args.repo, "rev-parse", "HEAD"], capture_output=True, text=True)
-    subprocess.run(["git", "clone", "--quiet", args.repo, str(clone)], check=True)
+    head = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True)
+    subprocess.run(["git", "clone", "--quiet", repo, str(clone)], check=True)
     subprocess.run(["make", "setup"], cwd=clone, check=True, stdout=subprocess.DEVNULL)
     cache = work / "model-cache"
     env = {**os.environ, "DYNRUBRIC_CACHE": str(cache)}
     subprocess.run(
         [".venv/bin/dynrubric", "model", "prepare", "smollm2-135m-instruct"], cwd=clone, env=env, check=True
     )
-    off = work / "guard-off.yaml"
-    off.write_text("guard: {enabled: false}\n")
+    off_file = work / "off.yaml"
+    off_file.write_text(off_config)
     result: dict = {
         "commit": head.stdout.strip(),
         "machine": {
@@ -105,10 +104,10 @@ def main(argv: list[str] | None = None) -> dict:
             "cores": len(os.sched_getaffinity(0)),
             "load_avg_1m_before": round(os.getloadavg()[0], 2),
         },
-        "goals": GOALS,
+        "off_config": off_config,
     }
     runs = {}
-    for name, extra in (("guarded", ["--fresh"]), ("baseline", ["--fresh", "--config", str(off)])):
+    for name, extra in ((on, ["--fresh"]), (off, ["--fresh", "--config", str(off_file)])):
         runs[name] = run_pipeline(clone, work / name, cache, *extra)
         result[name] = {
             "pipeline": runs[name]["pipeline"],
@@ -116,6 +115,17 @@ def main(argv: list[str] | None = None) -> dict:
             "table": runs[name]["table"],
             "stages": by_stage(runs[name]["tasks"]),
         }
+    return result, runs, work, clone
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repo", default=str(ROOT), help="the repository to clone (its HEAD)")
+    args = parser.parse_args(argv)
+    result, runs, work, clone = compare(
+        args.repo, "bench-guard-", "guard: {enabled: false}\n", on="guarded", off="baseline"
+    )
+    result["goals"] = GOALS
     walls = {name: r["pipeline"]["wall_s"] for name, r in runs.items()}
     evaluate = {name: result[name]["stages"]["evaluate"]["wall_s"] for name in runs}
     parent = parent_run(work / "guarded")
