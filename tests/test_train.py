@@ -462,3 +462,22 @@ def test_ranks_wait_out_a_slow_checkpoint_upload_beyond_the_collectives_timeout(
         proxy.close()
         store.reset_client()
     assert store.is_complete(out) and "reward_mean" in final
+
+
+def test_the_step_split_counts_generation_on_the_vllm_path_too(monkeypatch):
+    """TRL's colocated vLLM generates through `trainer.vllm_generation.generate`, never model.generate:
+    grpo wraps it with the same timer, so time/generation_s is not 0 where generation dominates."""
+    from types import SimpleNamespace
+
+    from dynamicrubric.training import monitoring
+
+    clock = iter([10.0, 13.5])  # the vLLM call's start and end, as perf_counter reads them
+    monkeypatch.setattr(monitoring.time, "perf_counter", lambda: next(clock))
+    timer = monitoring.TimedGenerate(lambda *a, **k: None, tokenizer=None, max_items=None, vocab_size=0)
+    vllm_generation = SimpleNamespace(generate=lambda prompts: ["ids"] * len(prompts))
+    vllm_generation.generate = timer.timed(vllm_generation.generate)
+    assert vllm_generation.generate(["a", "b"]) == ["ids", "ids"]
+    state = SimpleNamespace(log_history=[{"step_time": 5.0, "time/reward_s": 1.0}])
+    monitoring.step_split_callback(timer).on_log(None, state, None)
+    assert state.log_history[-1]["time/generation_s"] == 3.5
+    assert state.log_history[-1]["time/update_s"] == 5.0 - 3.5 - 1.0

@@ -172,6 +172,8 @@ def _grpo(
             step_split_callback(timer),
         ],
     )
+    if vllm:  # time/generation_s covers vLLM's generation as it does transformers'
+        trainer.vllm_generation.generate = timer.timed(trainer.vllm_generation.generate)
     reference_from_rank0(trainer, model)
     log_reference(trainer)
     started = time.perf_counter()

@@ -108,6 +108,19 @@ class TimedGenerate:
         finally:
             self.seconds += time.perf_counter() - started
 
+    def timed(self, generate: Any) -> Any:
+        """`generate` with its time added to this step's generation seconds: TRL's colocated vLLM
+        generates through its own `vllm_generation.generate`, never through `model.generate`."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+
+        return call
+
 
 def step_split_callback(timer: TimedGenerate):
     from transformers import TrainerCallback
