@@ -175,3 +175,28 @@ def test_vllm_venv_runs_the_gpu_images_versions() -> None:
     installed = {n: version(n) for n in shared if n in ("torch", "transformers", "tokenizers", "safetensors")}
     drift = {n: (v, pins[n]) for n, v in installed.items() if Version(v).public != Version(pins[n]).public}
     assert not drift, f".venv-vllm drifted from images/gpu-constraints.txt: {drift}"
+
+
+def test_a_prompt_over_the_context_is_refused_or_cut_as_engine_long_prompts_says(
+    vllm_engine: VLLMEngine,
+) -> None:
+    """Before vLLM sees it (which fails the whole batch, so a seeded retry fails the same way): refused
+    with its numbers, or, with long_prompts truncate, cut to its last tokens and counted."""
+    from dynamicrubric.engines import EngineError
+
+    long = vllm_engine.chat_prompt([{"role": "user", "content": "seven " * 1500}])
+    short = vllm_engine.chat_prompt([{"role": "user", "content": "What is 2+3?"}])
+    with pytest.raises(
+        EngineError,
+        match=r"generate: prompt 1 has \d+ tokens; with 8 more it exceeds the context length 1024",
+    ):
+        vllm_engine.generate([short, long], max_new_tokens=8, temperature=0.0)
+    vllm_engine.long_prompts = "truncate"
+    try:
+        before = vllm_engine.truncated_prompts
+        out = vllm_engine.generate([short, long], max_new_tokens=8, temperature=0.0)
+        assert len(out) == 2 and vllm_engine.truncated_prompts == before + 1
+        (p_yes,) = vllm_engine.yes_probability([(long, "Is it right? Answer yes or no.")])
+        assert 0.0 <= p_yes <= 1.0 and vllm_engine.truncated_prompts == before + 2
+    finally:
+        vllm_engine.long_prompts = "error"

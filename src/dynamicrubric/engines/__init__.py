@@ -129,6 +129,7 @@ def _load_engine(
             dtype=cfg.dtype,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             tensor_parallel_size=cfg.tensor_parallel_size,
+            long_prompts=cfg.long_prompts,
             **({"max_model_len": cfg.max_model_len} if cfg.max_model_len else {}),
         )
     raise EngineError(f"engine: unknown engine {cfg.engine!r}; expected 'hf' or 'vllm'")

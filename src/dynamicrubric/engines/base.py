@@ -156,6 +156,33 @@ class Engine(abc.ABC):
 
     model_ref: str
     tokenizer: Any  # PreTrainedTokenizerBase
+    # What an in-process engine does with a prompt longer than its context (`fit_prompt`).
+    context_length: int | None = None
+    long_prompts: str = "error"  # "error" | "truncate" (engine.long_prompts)
+    truncated_prompts = 0  # how many prompts were cut to fit the context, over this engine's life
+
+    def fit_prompt(self, ids: list[int], room: int, what: str) -> list[int]:
+        """`ids` cut to leave `room` tokens of the context free, or an error, as `long_prompts` says. Checked
+        before any forward pass: a 4 MB prompt would otherwise try to allocate many GB of attention, and
+        vLLM would fail the whole batch (so a retry of the same seeded batch fails again)."""
+        if self.context_length is None or len(ids) + room <= self.context_length:
+            return ids
+        keep = self.context_length - room
+        if self.long_prompts == "error" or keep < 1:
+            raise EngineError(
+                f"{what} has {len(ids)} tokens; with {room} more it exceeds the context length "
+                f"{self.context_length} of {self.model_ref!r} (engine.long_prompts: truncate cuts it instead)"
+            )
+        self.truncated_prompts += 1
+        log.warning(
+            "%s: %d tokens cut to its last %d to fit the context of %s (%d prompt(s) truncated so far)",
+            what,
+            len(ids),
+            keep,
+            self.model_ref,
+            self.truncated_prompts,
+        )
+        return ids[-keep:]
 
     def chat_prompt(self, messages: list[dict], *, enable_thinking: bool | None = None) -> str:
         """The model's chat template applied to `messages`, ending where the assistant's turn begins.

@@ -88,30 +88,8 @@ class HFEngine(Engine):
         if long_prompts not in ("error", "truncate"):
             raise EngineError(f"long_prompts must be 'error' or 'truncate', got {long_prompts!r}")
         self.long_prompts = long_prompts
-        self.truncated_prompts = 0  # how many prompts were cut to fit the context, over this engine's life
+        self.truncated_prompts = 0
         self.context_length = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
-
-    def _fit(self, ids: list[int], room: int, what: str) -> list[int]:
-        """`ids` cut to leave `room` tokens of the context free, or an error, as configured. Checked before
-        any forward pass: a 4 MB prompt would otherwise try to allocate many GB of attention."""
-        if self.context_length is None or len(ids) + room <= self.context_length:
-            return ids
-        keep = self.context_length - room
-        if self.long_prompts == "error" or keep < 1:
-            raise EngineError(
-                f"{what} has {len(ids)} tokens; with {room} more it exceeds the context length "
-                f"{self.context_length} of {self.model_ref!r} (engine.long_prompts: truncate cuts it instead)"
-            )
-        self.truncated_prompts += 1
-        log.warning(
-            "%s: %d tokens cut to its last %d to fit the context of %s (%d prompt(s) truncated so far)",
-            what,
-            len(ids),
-            keep,
-            self.model_ref,
-            self.truncated_prompts,
-        )
-        return ids[-keep:]
 
     def _stop_ids(self) -> list[int]:
         ids: list[int] = []
@@ -170,7 +148,8 @@ class HFEngine(Engine):
             if not e:
                 raise EngineError(f"generate: prompt {i} is empty")
         encoded = [
-            self._fit(e, sampling.max_new_tokens, f"generate: prompt {i}") for i, e in enumerate(encoded)
+            self.fit_prompt(e, sampling.max_new_tokens, f"generate: prompt {i}")
+            for i, e in enumerate(encoded)
         ]
         rows = [(i, j) for i in range(len(prompts)) for j in range(n)]
         # Long prompts first, so rows of similar length share a batch (less padding).
@@ -317,7 +296,7 @@ class HFEngine(Engine):
         for k, (p, _) in enumerate(pairs):
             first_pair.setdefault(p, k)
         prefix_ids = {
-            p: self._fit(ids, longest, f"judge: prompt {first_pair[p]}")
+            p: self.fit_prompt(ids, longest, f"judge: prompt {first_pair[p]}")
             for p, ids in zip(prefixes, self._encode(prefixes), strict=True)
         }
         result: list[float] = [0.0] * len(pairs)
@@ -421,7 +400,7 @@ class HFEngine(Engine):
             if not p:
                 raise EngineError(f"logprobs: prompt {i} is empty")
         p_ids = [
-            self._fit(p, len(c), f"logprobs: prompt {i}")
+            self.fit_prompt(p, len(c), f"logprobs: prompt {i}")
             for i, (p, c) in enumerate(zip(p_ids, c_ids, strict=True))
         ]
         result: list[list[float]] = []

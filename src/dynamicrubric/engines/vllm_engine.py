@@ -45,6 +45,7 @@ class VLLMEngine(Engine):
         gpu_memory_utilization: float = 0.85,
         tensor_parallel_size: int = 1,
         seed: int = 0,
+        long_prompts: str = "error",
         **llm_kwargs: Any,
     ) -> None:
         try:
@@ -69,14 +70,19 @@ class VLLMEngine(Engine):
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.yes_ids, self.no_ids = answer_token_ids(self.tokenizer)
+        if long_prompts not in ("error", "truncate"):
+            raise EngineError(f"long_prompts must be 'error' or 'truncate', got {long_prompts!r}")
+        self.long_prompts, self.truncated_prompts = long_prompts, 0
+        self.context_length = int(self.llm.llm_engine.model_config.max_model_len)
 
-    def _token_prompts(self, prompts: list[str]) -> list[dict]:
+    def _token_prompts(self, prompts: list[str], room: int, what: str) -> list[dict]:
+        """Each prompt's token ids, fitted to the context with `room` tokens left (engine.long_prompts)."""
         out = []
         for i, p in enumerate(prompts):
             ids = self.tokenizer.encode(p, add_special_tokens=False)
             if not ids:
-                raise EngineError(f"generate: prompt {i} is empty")
-            out.append({"prompt_token_ids": ids})
+                raise EngineError(f"{what}: prompt {i} is empty")
+            out.append({"prompt_token_ids": self.fit_prompt(ids, room, f"{what}: prompt {i}")})
         return out
 
     def _generate(self, prompts: list[str], sampling: Sampling, desc: str) -> list[Generation]:
@@ -100,7 +106,8 @@ class VLLMEngine(Engine):
             )
             for i in range(len(prompts))
         ]
-        outputs = self.llm.generate(self._token_prompts(prompts), params, use_tqdm=_vllm_progress(desc))
+        encoded = self._token_prompts(prompts, sampling.max_new_tokens, "generate")
+        outputs = self.llm.generate(encoded, params, use_tqdm=_vllm_progress(desc))
         return [
             Generation(
                 texts=[c.text for c in o.outputs],
@@ -126,7 +133,10 @@ class VLLMEngine(Engine):
             params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=labels)
         except TypeError:  # vLLM without logprob_token_ids
             params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
-        prompts = [{"prompt_token_ids": ids} for ids in token_ids]
+        prompts = [
+            {"prompt_token_ids": self.fit_prompt(ids, 1, f"judge: pair {k}")}
+            for k, ids in enumerate(token_ids)
+        ]
         outputs = self.llm.generate(prompts, params, use_tqdm=False if bar else _vllm_progress(desc))
         if bar is not None:
             bar.update(len(prompts))
