@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 from pydantic import Field, model_validator
 
+from dynamicrubric.infra.config_evaluation import BenchmarkConfig, EvaluateConfig, GuardConfig, JudgeSpec
 from dynamicrubric.infra.config_sections import (
     CACHE_MOUNT,
     DEFAULT_PRESET,
@@ -30,15 +31,11 @@ from dynamicrubric.infra.config_sections import (
     STAGE_FACTS,
     TENSOR_PARALLEL_ENV,
     AggregateConfig,
-    BenchmarkConfig,
     ConfigError,
     DataConfig,
     EngineConfig,
-    EvaluateConfig,
     EvaluatorTrainConfig,
-    GuardConfig,
     JudgeConfig,
-    JudgeSpec,
     ModelsConfig,
     ModelSizes,
     PipelineConfig,
