@@ -66,14 +66,14 @@ def test_prompts_go_in_without_a_second_bos(vllm_engine: VLLMEngine, hf_engine: 
     assert text_out.prompt_token_ids[:2] == [bos, bos]
     # The engine sends the token ids HFEngine uses: one BOS, from the template.
     expected = hf_engine._encode([prompts[0]])[0]
-    assert vllm_engine._token_prompts(prompts[:1])[0]["prompt_token_ids"] == expected
+    assert vllm_engine._token_prompts(prompts[:1], 1, "test")[0]["prompt_token_ids"] == expected
     assert expected[0] == bos and expected[1] != bos
 
 
 def test_greedy_generation_matches_hf(vllm_engine: VLLMEngine, hf_engine: HFEngine, prompts) -> None:
     import torch
 
-    token_prompts = vllm_engine._token_prompts(prompts)
+    token_prompts = vllm_engine._token_prompts(prompts, GREEDY_TOKENS, "test")
     params = vllm_engine._vllm.SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS)
     outs = vllm_engine.llm.generate(token_prompts, params, use_tqdm=False)
     decisive = 0
@@ -129,7 +129,7 @@ def test_enable_thinking_reaches_the_template(vllm_engine: VLLMEngine, hf_engine
     assert "<think>" not in vllm_engine.chat_prompt(msgs)  # None: the template's default
     assert off == hf_engine.chat_prompt(msgs, enable_thinking=False)
     on = vllm_engine.chat_prompt(msgs, enable_thinking=True)
-    assert vllm_engine._token_prompts([off]) != vllm_engine._token_prompts([on])
+    assert vllm_engine._token_prompts([off], 1, "test") != vllm_engine._token_prompts([on], 1, "test")
 
 
 def test_constrained_rubrics_parse(vllm_engine: VLLMEngine, prompts) -> None:
