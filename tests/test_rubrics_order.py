@@ -131,3 +131,44 @@ def _evaluator_seed(cfg) -> int:
     from dynamicrubric.infra.config import SeedPurpose, round_seed
 
     return round_seed(cfg, 1, SeedPurpose.EVALUATOR_RUBRICS)
+
+
+def _set_of(pid: str, responses: list[str]) -> pd.DataFrame:
+    return pd.DataFrame(
+        [
+            {"prompt_id": pid, "sample_idx": i, "prompt": f"Task {pid}: describe the sea.", "response": r,
+             "num_tokens": 4, "finish_reason": "stop", "policy": "p", "seed": 0}
+            for i, r in enumerate(responses)
+        ]
+    )  # fmt: skip
+
+
+def test_a_set_too_long_for_the_generators_context_is_clipped_to_fit(engine):
+    """A guard-sized set (16 responses of 4,000 characters: far over tiny-random's 2,048 tokens) is
+    written with every response clipped at one shorter length so that the prompt and rubrics.max_new_tokens
+    fit the context: the engine would otherwise refuse it (engine.long_prompts: error) or cut off the task."""
+    cfg = _cfg(max_response_chars=4000, max_new_tokens=16)
+    long_set = _set_of("p-long", [f"wave {i} " * 600 for i in range(16)])
+    room = engine.context_length - 16
+
+    def tokens(text: str) -> int:
+        chat = engine.chat_prompt(generator_messages(text))
+        return len(engine.tokenizer.encode(chat, add_special_tokens=False))
+
+    unfitted = rubric_requests(long_set, cfg, "dynamic", seed=3)
+    assert not unfitted["clipped_to_fit"].any() and tokens(unfitted["generator_prompt"].iloc[0]) > room
+    rubrics, counts = generate_rubrics(long_set, cfg, seed=3, engine=engine)
+    assert counts["clipped_to_fit"] == 1
+    prompt = rubrics["generator_prompt"].iloc[0]
+    assert room / 2 < tokens(prompt) <= room  # fitted, not emptied
+    assert "Task p-long: describe the sea." in prompt
+    assert all(f"Response {label}:\n" in prompt for label in "ABCDEFGHIJKLMNOP")
+    assert prompt.count(" […]") == 16  # every response cut at the one shorter length
+
+    short_set = _set_of("p-short", [f"wave {i}" for i in range(16)])
+    rubrics, counts = generate_rubrics(short_set, cfg, seed=3, engine=engine)
+    assert counts["clipped_to_fit"] == 0
+    assert (
+        rubrics["generator_prompt"].tolist()
+        == rubric_requests(short_set, cfg, "dynamic", seed=3)["generator_prompt"].tolist()
+    )

@@ -200,3 +200,29 @@ def test_a_prompt_over_the_context_is_refused_or_cut_as_engine_long_prompts_says
         assert 0.0 <= p_yes <= 1.0 and vllm_engine.truncated_prompts == before + 2
     finally:
         vllm_engine.long_prompts = "error"
+
+
+def test_a_rubric_set_too_long_for_the_context_is_clipped_to_fit(vllm_engine: VLLMEngine) -> None:
+    """A guard-sized candidate set (16 responses of 4,000 characters against max_model_len 1024) reaches
+    vLLM with every response clipped at one shorter length, the prompt and rubrics.max_new_tokens within
+    the context; unclipped, vLLM's engine would be handed a prompt it fails the whole batch for."""
+    import pandas as pd
+
+    from dynamicrubric.infra.config_loading import load_config
+    from dynamicrubric.scoring.rubrics import generate_rubrics, generator_messages
+
+    cfg = load_config(
+        preset="tiny",
+        overrides={"rubrics": {"constrained": False, "max_new_tokens": 16, "max_response_chars": 4000}},
+    )
+    rows = [
+        {"prompt_id": "p-long", "sample_idx": i, "prompt": "Describe the sea.", "response": f"wave {i} " * 600,
+         "num_tokens": 4, "finish_reason": "stop", "policy": "p", "seed": 0}
+        for i in range(16)
+    ]  # fmt: skip
+    rubrics, counts = generate_rubrics(pd.DataFrame(rows), cfg, seed=3, engine=vllm_engine)
+    assert counts["clipped_to_fit"] == 1 and counts["rubrics"] == 1
+    chat = vllm_engine.chat_prompt(generator_messages(rubrics["generator_prompt"].iloc[0]))
+    length = len(vllm_engine.tokenizer.encode(chat, add_special_tokens=False))
+    assert (1024 - 16) / 2 < length <= 1024 - 16
+    assert rubrics["generator_prompt"].iloc[0].count(" […]") == 16

@@ -173,7 +173,9 @@ class RubricsConfig(Section):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(256, ge=16)
-    max_response_chars: int = Field(1200, ge=50)  # each response is cut to this in the generator prompt
+    # Each response is cut to this in the generator prompt, and all of a set's responses shorter where
+    # the prompt would leave less than max_new_tokens of the generator's context (counted: clipped_to_fit).
+    max_response_chars: int = Field(1200, ge=50)
     constrained: bool = True  # decode rubrics into their JSON schema (constrained.rubric_schema)
     # With several rubric samples of one candidate set (`samples` > 1), each sample reads the K responses
     # in its own seeded order (one generator prompt per sample), so that no position is favoured; false:

@@ -12,12 +12,18 @@ that no position is favoured; each row's `generator_prompt` is the prompt its sa
 With `rubrics.constrained` (the default) decoding is constrained to `constrained.rubric_schema(M)`, so
 every sample parses as JSON unless the token limit cut it off. A cut-off sample gets parse_status
 "truncated" and no items (scored as an empty rubric), and is counted in `truncated`.
+
+A dynamic prompt whose responses, each clipped at `rubrics.max_response_chars` characters, still leave
+no room in the generator's context for `rubrics.max_new_tokens` (a guard set of 16 long responses) has
+its responses clipped further, all at one shorter length, until it fits, and is counted in
+`clipped_to_fit`: the engine would otherwise refuse it, or cut its first tokens (the task), and a seeded
+retry would fail the same way.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pandas as pd
@@ -54,11 +60,48 @@ def orders_per_sample(cfg: Config, variant: str, samples: int) -> bool:
     return cfg.rubrics.shuffle and variant == "dynamic" and samples > 1
 
 
+def fitted_dynamic_prompt(
+    task: str,
+    responses: list[str],
+    num_items: int,
+    max_response_chars: int,
+    prompt_tokens: Callable[[str], int],
+    max_prompt_tokens: int,
+) -> tuple[str, bool]:
+    """The dynamic prompt with every response clipped at one length short enough for the prompt to
+    take at most `max_prompt_tokens` (as `prompt_tokens` counts a prompt), and whether it had to be
+    clipped below `max_response_chars`. A prompt that cannot fit even with no response text is left as
+    it is, for the engine to refuse with its numbers (or cut, as engine.long_prompts says)."""
+    text = dynamic_rubric_prompt(task, responses, num_items, max_response_chars)
+    length = prompt_tokens(text)
+    if length <= max_prompt_tokens:
+        return text, False
+    fixed = prompt_tokens(dynamic_rubric_prompt(task, responses, num_items, 0))
+    if fixed >= max_prompt_tokens:
+        return text, False
+    limit = max_response_chars
+    while length > max_prompt_tokens and limit > 0:
+        # The responses' share shrinks by what must go (5% more, so every pass shortens them).
+        limit = int(limit * (max_prompt_tokens - fixed) / (length - fixed) * 0.95)
+        text = dynamic_rubric_prompt(task, responses, num_items, limit)
+        length = prompt_tokens(text)
+    return text, True
+
+
 def rubric_requests(
-    rollouts: pd.DataFrame, cfg: Config, variant: str, seed: int, samples: int = 1
+    rollouts: pd.DataFrame,
+    cfg: Config,
+    variant: str,
+    seed: int,
+    samples: int = 1,
+    *,
+    prompt_tokens: Callable[[str], int] | None = None,
+    max_prompt_tokens: int | None = None,
 ) -> pd.DataFrame:
     """The generator's prompts, in the order the candidate sets (prompt_id) first appear: columns
-    prompt_id, rubric_idx (the first rubric sample the prompt is for) and generator_prompt.
+    prompt_id, rubric_idx (the first rubric sample the prompt is for), generator_prompt and
+    clipped_to_fit (its responses clipped below rubrics.max_response_chars to take at most
+    `max_prompt_tokens` as `prompt_tokens` counts them; given neither, none is).
 
     One prompt per set, for all of its samples, unless `orders_per_sample` says each of its `samples`
     samples reads its own order: then one prompt per sample (rubric_idx 0..samples-1). The generator's
@@ -75,11 +118,19 @@ def rubric_requests(
         for g in range(samples if per_sample else 1):
             if variant == "dynamic":
                 shown = [responses[i] for i in response_order(str(prompt_id), len(responses), seed, g)]
-                text = dynamic_rubric_prompt(task, shown, rc.num_items, rc.max_response_chars)
+                if prompt_tokens is None or max_prompt_tokens is None:
+                    text = dynamic_rubric_prompt(task, shown, rc.num_items, rc.max_response_chars)
+                    clipped = False
+                else:
+                    text, clipped = fitted_dynamic_prompt(
+                        task, shown, rc.num_items, rc.max_response_chars, prompt_tokens, max_prompt_tokens
+                    )
             else:
-                text = static_rubric_prompt(task, rc.num_items)
-            requests.append({"prompt_id": prompt_id, "rubric_idx": g, "generator_prompt": text})
-    return pd.DataFrame(requests, columns=["prompt_id", "rubric_idx", "generator_prompt"])
+                text, clipped = static_rubric_prompt(task, rc.num_items), False
+            requests.append(
+                {"prompt_id": prompt_id, "rubric_idx": g, "generator_prompt": text, "clipped_to_fit": clipped}
+            )
+    return pd.DataFrame(requests, columns=["prompt_id", "rubric_idx", "generator_prompt", "clipped_to_fit"])
 
 
 def rubric_rows(
@@ -152,7 +203,6 @@ def generate_rubrics(
     variant = variant or rc.variant
     seed = cfg.seed if seed is None else seed
     per_sample = orders_per_sample(cfg, variant, samples)
-    requests = rubric_requests(rollouts, cfg, variant, seed, samples)
     thinking = cfg.models.enable_thinking.generator
     if rc.constrained and thinking:
         raise ValueError(
@@ -160,6 +210,26 @@ def generate_rubrics(
             "for a thinking block: set models.enable_thinking.generator: false or rubrics.constrained: false"
         )
     engine = engine or load_engine(generator, cfg.engine)
+
+    def prompt_tokens(text: str) -> int:
+        chat = engine.chat_prompt(generator_messages(text), enable_thinking=thinking)
+        return len(engine.tokenizer.encode(chat, add_special_tokens=False))
+
+    room = engine.context_length and engine.context_length - rc.max_new_tokens
+    requests = rubric_requests(
+        rollouts, cfg, variant, seed, samples, prompt_tokens=prompt_tokens, max_prompt_tokens=room or None
+    )
+    clipped = int(requests["clipped_to_fit"].sum())
+    if clipped:
+        log.warning(
+            "rubrics: %d of %d generator prompts had their responses clipped below rubrics.max_response_chars"
+            "=%d to leave rubrics.max_new_tokens=%d of the context (%d tokens) free",
+            clipped,
+            len(requests),
+            rc.max_response_chars,
+            rc.max_new_tokens,
+            engine.context_length,
+        )
     indices = None if set_indices is None else list(set_indices)
     if per_sample:  # a prompt per (set, sample): seeded by the set's place and the sample, as in the whole
         place = {pid: i for i, pid in enumerate(dict.fromkeys(requests["prompt_id"]))}
@@ -234,6 +304,7 @@ def generate_rubrics(
         "empty_rubrics": empty,
         "truncated": truncated,
         "rejected": rejected,
+        "clipped_to_fit": clipped,
         # Share of the rubrics not cut off by the token limit that parsed (1.0 when constrained).
         "parse_rate": float((rubrics["parse_status"] != "empty").sum() - truncated - failed - rejected)
         / complete
