@@ -1,10 +1,13 @@
-"""Rollout throughput: batched sampling vs one sequence at a time (goal >= 4x tokens/s).
+"""Rollout throughput: batched sampling vs one sequence at a time (goal >= 4x tokens/s), and the
+project's sampler against transformers' `model.generate` (goal >= 1x tokens/s).
 
 The policy samples K responses per prompt. Batched: `generate(prompts, n=K)` with `--batch-size`
 rows per batch (each prompt's context computed once and shared by its K rows). Sequential: the same
 engine with batch size 1, on the first `--sequential-prompts` prompts (it is slow). Each sample has its
 own seeded random stream, so both produce identical samples for the rows they share; the benchmark
-checks that too.
+checks that too. `model.generate` samples the same rows (the same prompts, K each, the same rows per
+batch, temperature 1, no top-k or top-p, the same stop tokens) with the same model object in the same
+process; its samples differ (its own random stream), so the ratio is of tokens per second.
 
     python -m bench.bench_rollout [--model smollm2-135m-instruct]
 """
@@ -41,6 +44,35 @@ def run(engine: HFEngine, prompts: list[str], k: int, max_new_tokens: int) -> tu
     return out, time.perf_counter() - t
 
 
+def run_model_generate(
+    engine: HFEngine, prompts: list[str], k: int, max_new_tokens: int
+) -> tuple[int, float]:
+    """Tokens sampled (to the first stop token, as the engine counts them) and seconds, by
+    `model.generate` over the same rows in batches of the engine's batch size."""
+    tok = engine.tokenizer
+    per_batch = max(1, engine.batch_size // k)  # whole prompts per batch: K rows each
+    settings = dict(
+        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+        eos_token_id=list(engine.stop_ids), pad_token_id=engine.pad_id, num_return_sequences=k,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    tokens = 0
+    t = time.perf_counter()
+    for start in range(0, len(prompts), per_batch):
+        ids = [tok.encode(p, add_special_tokens=False) for p in prompts[start : start + per_batch]]
+        width = max(len(i) for i in ids)
+        input_ids = torch.tensor([[engine.pad_id] * (width - len(i)) + i for i in ids])
+        mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
+        with torch.inference_mode():
+            out = engine.model.generate(input_ids=input_ids, attention_mask=mask, **settings)
+        for row in out[:, width:].tolist():
+            cut = next((n for n, x in enumerate(row) if x in engine.stop_ids), None)
+            tokens += len(row) if cut is None else cut + 1
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return tokens, time.perf_counter() - t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-random")
@@ -61,6 +93,7 @@ def main() -> None:
 
     out_b, t_b = run(batched, prompts, args.k, args.max_new_tokens)
     out_s, t_s = run(sequential, prompts[: args.sequential_prompts], args.k, args.max_new_tokens)
+    tok_g, t_g = run_model_generate(batched, prompts, args.k, args.max_new_tokens)
     tok_b = sum(sum(g.num_tokens) for g in out_b)
     tok_s = sum(sum(g.num_tokens) for g in out_s)
     same = out_s == out_b[: args.sequential_prompts]
@@ -83,6 +116,10 @@ def main() -> None:
         "sequential_tokens": tok_s,
         "sequential_tokens_per_s": tok_s / t_s,
         "speedup": (tok_b / t_b) / (tok_s / t_s),
+        "model_generate_s": t_g,
+        "model_generate_tokens": tok_g,
+        "model_generate_tokens_per_s": tok_g / t_g,
+        "vs_model_generate": (tok_b / t_b) / (tok_g / t_g),
         "identical_samples_on_shared_rows": same,
         "stopped_at_eos": stops,
         "sample_texts": out_b[0].texts[:2],
@@ -94,6 +131,8 @@ def main() -> None:
             (f"batched tokens/s (batch {args.batch_size})", result["batched_tokens_per_s"]),
             ("one-at-a-time tokens/s", result["sequential_tokens_per_s"]),
             ("speedup (goal >= 4)", result["speedup"]),
+            ("model.generate tokens/s (same rows)", result["model_generate_tokens_per_s"]),
+            ("vs model.generate (goal >= 1)", result["vs_model_generate"]),
             ("identical samples", same),
             ("rows stopped at eos", f"{stops}/{len(prompts) * args.k}"),
         ]
