@@ -11,6 +11,12 @@ bootstrap intervals (bench/stats.py). The config is bench/study/evaluator_learns
 
     python -m bench.evaluator_learns [--config ...] [--out bench/results/evaluator_learns.json]
     python -m bench.evaluator_learns --work DIR --reuse   # recompute the JSON from DIR's finished steps
+    python -m bench.evaluator_learns --seeing-verifier    # V a planted rule that sees the response
+
+With `--seeing-verifier` (JSON: bench/results/evaluator_learns_seeing.json) the verifier is the stand-in
+of bench/seeing_verifier.py, loaded through the engines' test hook for the verifier's reference only:
+P(yes) answers whether the response contains the number an item names. With it R_disc can move, so the
+run shows whether the generator trainer follows its reward; the policy and the generator stay SmolLM2.
 
 R_disc is Σ w·Var_k(v)/Σ w (dynamicrubric.scoring.aggregate): with soft verdicts, how differently the verifier
 judges the K responses. The paper's v̄(1 − v̄) with soft verdicts adds the verifier's doubt about each
@@ -25,7 +31,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import platform
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -121,17 +129,41 @@ def r_disc_parts(judgments: pd.DataFrame) -> pd.DataFrame:
     )
 
 
+def seeing_verifier(cfg: Config, work: Path) -> Config:
+    """`cfg` with V the stand-in of bench/seeing_verifier.py: the verifier's reference becomes a folder of
+    its own (the same model's files, hard-linked), which the hook tells from the generator's by its name,
+    and the hook is set for this process and the training process it starts."""
+    from bench import seeing_verifier as hook
+    from dynamicrubric.engines import TEST_ENGINES_ENV
+    from dynamicrubric.infra.models import resolve_model
+
+    folder = work / hook.FOLDER_NAME
+    if not folder.exists():
+        shutil.copytree(resolve_model(cfg.models.verifier), folder, copy_function=os.link)
+    os.environ[TEST_ENGINES_ENV] = hook.__file__
+    return cfg.model_copy(
+        update={"models": cfg.models.model_copy(update={"verifier": str(folder.resolve())})}
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(HERE / "study" / "evaluator_learns.yaml"))
     parser.add_argument("--out", default=str(HERE / "results" / "evaluator_learns.json"))
     parser.add_argument("--work", default=None)
     parser.add_argument("--reuse", action="store_true", help="keep what a run in --work already finished")
+    parser.add_argument(
+        "--seeing-verifier", action="store_true", help="V: the stand-in of bench/seeing_verifier.py"
+    )
     args = parser.parse_args(argv)
+    if args.seeing_verifier and args.out == parser.get_default("out"):
+        args.out = str(HERE / "results" / "evaluator_learns_seeing.json")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config)
     work = Path(args.work or tempfile.mkdtemp(prefix="evaluator-learns-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.seeing_verifier:
+        cfg = seeing_verifier(cfg, work)
     timings_file = work / "timings.json"  # kept with the work, so a --reuse run reports the first run's
     timings: dict[str, float] = (
         json.loads(timings_file.read_text()) if args.reuse and timings_file.exists() else {}
@@ -177,12 +209,18 @@ def main(argv: list[str] | None = None) -> int:
         name: group.sort_values("step")["value"].round(6).tolist()
         for name, group in metrics.groupby("name")
         if name in ("rewards/r_disc/mean", "rewards/r_anchor/mean", "reward_std", "kl", "rubrics/parse_rate",
-                    "rubrics/truncated_rate", "judge/yes_rate", "time/step_s")
+                    "rubrics/truncated_rate", "rubrics/rejected_rate", "judge/yes_rate", "time/step_s")
     }  # fmt: skip
     t = cfg.train_evaluator
     result = {
-        "what": "R_disc (soft verdicts: Var_k of p_yes) and the signal audit of G_0 vs G_1 on held-out candidate sets of P_0",
-        "command": "python -m bench.evaluator_learns",
+        "what": "R_disc (soft verdicts: Var_k of p_yes) and the signal audit of G_0 vs G_1 on held-out candidate sets of P_0"
+        + (
+            " (V: bench/seeing_verifier.py's stand-in, which sees the response)"
+            if args.seeing_verifier
+            else ""
+        ),
+        "command": "python -m bench.evaluator_learns"
+        + (" --seeing-verifier" if args.seeing_verifier else ""),
         "machine": f"{platform.machine()}, 2 cores (shared with other work)",
         "config": cfg.model_dump(mode="json"),
         "steps": t.max_steps,
