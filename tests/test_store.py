@@ -138,6 +138,32 @@ def test_multipart_upload_of_large_file(s3_env, tmp_path, monkeypatch):
     assert store.read_bytes(uri) == data
 
 
+def test_the_parts_of_a_multipart_upload_go_up_together(s3_env, monkeypatch):
+    """Parts are sent PART_CONCURRENCY at a time, not one after another: the first two parts each wait
+    at a barrier for the other, which only parts in flight together pass (one at a time, the first
+    would wait out the barrier's timeout and the upload fail)."""
+    import threading
+
+    monkeypatch.setattr(s3, "MULTIPART_THRESHOLD", 5 * 1024 * 1024)
+    monkeypatch.setattr(s3, "PART_SIZE", 5 * 1024 * 1024)
+    client = s3._client()
+    real_upload_part, together = client.upload_part, threading.Barrier(2, timeout=60)
+    numbers = []
+
+    def upload_part(**kwargs):
+        numbers.append(kwargs["PartNumber"])
+        if kwargs["PartNumber"] <= 2:
+            together.wait()
+        return real_upload_part(**kwargs)
+
+    monkeypatch.setattr(client, "upload_part", upload_part)
+    data = os.urandom(16 * 1024 * 1024)  # four parts
+    uri = f"s3://{s3_env}/parts.bin"
+    store.write_bytes(uri, data)
+    assert sorted(numbers) == [1, 2, 3, 4]
+    assert store.read_bytes(uri) == data
+
+
 def test_the_session_server_has_a_volume_for_every_test_bucket(request, tmp_path):
     """SeaweedFS gives each bucket a volume and caps volumes (by default at free disk / 1 GiB): a server
     capped at 2 takes the third bucket's bucket but not its writes. The session's server, which every
