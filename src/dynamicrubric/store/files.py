@@ -119,11 +119,12 @@ def download_file(uri: str, dest: str | Path, expected: dict | None = None) -> t
             bucket, key = split_s3(uri)
 
             def stream() -> tuple[int, str]:
-                body = s3._client().get_object(Bucket=bucket, Key=key)["Body"]
-                try:
-                    return copy(body.iter_chunks(CHUNK))  # botocore checks the length at the end
-                finally:
-                    body.close()
+                with s3._stream():
+                    body = s3._client().get_object(Bucket=bucket, Key=key)["Body"]
+                    try:
+                        return copy(body.iter_chunks(CHUNK))  # botocore checks the length at the end
+                    finally:
+                        body.close()
 
             size, sha = s3._s3_call(uri, stream)
         else:

@@ -3,13 +3,15 @@ folder, or none; and `outputs_as_a_set`, which publishes a stage's outputs all t
 
 Every folder carries a `_COMPLETE` marker, written last: a JSON manifest of the writer's token, the
 folder's `layout` (where its files are) and every file with its size and SHA-256. Readers read only
-the files the marker lists; `download_dir` streams each to disk (never whole in memory) and checks it
-against its checksum before it appears.
+the files the marker lists; `download_dir` streams each to disk (never whole in memory, several at a
+time) and checks it against its checksum before it appears.
 
 - On S3 each writer uploads its files under its own sub-prefix `<folder>/_versions/<token>/` (layout
   "versioned"), then writes the marker. Two concurrent writers never mix (the last marker wins, and it
   names one writer's complete set) and a rewrite with fewer files never shows the old ones. The writer
-  then deletes the version the marker named before its own.
+  then deletes the version the marker named before its own. Several processes may fill one version
+  (upload_version, each its own files: the ranks of a training job, each with the checkpoint shards it
+  wrote) and one of them publishes it (publish_version) once all are done.
 - Locally a writer fills a temp folder beside the destination (marker included, layout "flat": the
   files lie beside the marker) and swaps it in with one atomic rename (`renameat2(RENAME_EXCHANGE)`
   where the filesystem has it). A reader that opens its files by path reads a pinned version
@@ -39,7 +41,9 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import dynamicrubric.store.s3 as s3
 from dynamicrubric.store.files import (
@@ -61,11 +65,6 @@ log = logging.getLogger(__package__)
 COMPLETE_MARKER = "_COMPLETE"
 VERSIONS_DIR = "_versions"  # on S3, each writer's files of a folder live under _versions/<token>/
 FLAT, VERSIONED = "flat", "versioned"  # a manifest's layouts: files beside the marker, or in its version
-
-
-def _new_token() -> str:
-    # Time-ordered, then random: unique per writer, and sorts by when the writer started.
-    return f"{time.time_ns():x}-{uuid.uuid4().hex[:12]}"
 
 
 def _digest(path: Path) -> tuple[int, str]:
@@ -151,7 +150,8 @@ def folder_file(uri: str, rel: str) -> str:
     return f"s3://{bucket}/{_file_key(prefix, manifest, rel)}"
 
 
-def _folder_files(local_dir: Path) -> dict[str, Path]:
+def folder_files(local_dir: Path) -> dict[str, Path]:
+    """The files of a local folder by relative path (its marker aside), in sorted order."""
     return {
         p.relative_to(local_dir).as_posix(): p
         for p in sorted(local_dir.rglob("*"))
@@ -163,63 +163,131 @@ def upload_dir(local_dir: str | Path, uri: str) -> None:
     """Publish a local folder at `uri` whole, its completion marker (the manifest) last. An interrupted
     copy stays invisible; concurrent writers never mix (see the module docstring)."""
     local_dir = Path(local_dir)
-    files = _folder_files(local_dir)
-    token = _new_token()
-    if is_s3(uri):
-        _upload_dir_s3(files, uri, token)
-        return
-    dest = local_path(uri)
-    if dest.exists() and dest.resolve() == local_dir.resolve():
-        write_bytes(str(dest / COMPLETE_MARKER), _manifest(token, files, FLAT))
-        return
+    files = folder_files(local_dir)
+    token = new_token()
+    if not is_s3(uri):
+        dest = local_path(uri)
+        if dest.exists() and dest.resolve() == local_dir.resolve():
+            write_bytes(str(dest / COMPLETE_MARKER), _manifest(token, files, FLAT))
+            return
     try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{short_name(dest.name)}.", suffix=".tmp"))
+        publish_version(uri, token, upload_version(files, uri, token))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            discard_version(uri, token)
+        raise
+
+
+def new_token() -> str:
+    """A new writer's token: the name of the version of a folder it fills (upload_version)."""
+    return f"{time.time_ns():x}-{uuid.uuid4().hex[:12]}"  # time-ordered, then random: unique per writer
+
+
+def _local_version(uri: str, token: str) -> Path:
+    dest = local_path(uri)
+    return dest.parent / f".{short_name(dest.name)}.{token}.tmp"
+
+
+def upload_version(files: dict[str, Path], uri: str, token: str) -> dict[str, dict]:
+    """Copy `files` (relative path -> local file) into version `token` of folder `uri`, several at a time
+    (on S3 at most s3.STREAMS transfers in flight in this process), each hashed as it goes; returns their
+    manifest entries. Nothing shows until the version is published (publish_version), so several
+    processes may fill one version, each with its own files, and one publishes it with all their entries."""
+    if is_s3(uri):
+        bucket, prefix = split_s3(uri.rstrip("/") + "/")
+        mine = f"{prefix}{VERSIONS_DIR}/{token}/"
+
+        def send(rel: str, path: Path) -> dict:
+            entry = _entry(path)
+            s3._upload(uri, bucket, mine + rel, path)
+            return entry
+    else:
+        version = _local_version(uri, token)
+
+        def send(rel: str, path: Path) -> dict:
+            target = version / rel
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, target)
+                os.chmod(target, _file_mode())
+            except OSError as e:
+                raise StoreError(f"{uri}: cannot write: {e.strerror}") from None
+            return _entry(path)
+
+    return dict(zip(files, _in_parallel(send, list(files.items())), strict=True))
+
+
+def publish_version(uri: str, token: str, entries: dict[str, dict]) -> None:
+    """Make version `token` (filled by upload_version, `entries` its files) the folder at `uri`: the
+    marker naming it is written last; the version the marker named before is deleted (on S3), or
+    swapped out (locally)."""
+    if is_s3(uri):
+        previous = read_manifest(uri)
+        write_bytes(join(uri, COMPLETE_MARKER), _manifest_bytes(token, VERSIONED, entries))
+        _delete_previous(uri, previous, token)
+        return
+    version = _local_version(uri, token)
+    try:
+        version.mkdir(parents=True, exist_ok=True)  # a folder of no files has no version yet
+        (version / COMPLETE_MARKER).write_bytes(_manifest_bytes(token, FLAT, entries))
+        os.chmod(version / COMPLETE_MARKER, _file_mode())
+        for d in [version, *(p for p in version.rglob("*") if p.is_dir())]:
+            os.chmod(d, _dir_mode())
     except OSError as e:
         raise StoreError(f"{uri}: cannot write: {e.strerror}") from None
     try:
-        for rel, p in files.items():
-            target = tmp / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(p, target)
-            os.chmod(target, _file_mode())
-        (tmp / COMPLETE_MARKER).write_bytes(_manifest(token, files, FLAT))
-        os.chmod(tmp / COMPLETE_MARKER, _file_mode())
-        for d in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
-            os.chmod(d, _dir_mode())  # mkdtemp makes 0700
-        _swap_in(tmp, dest, uri)
+        _swap_in(version, local_path(uri), uri)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # after a swap, this is the folder it replaced
+        shutil.rmtree(version, ignore_errors=True)  # after a swap, this is the folder it replaced
 
 
-def _upload_dir_s3(files: dict[str, Path], uri: str, token: str) -> None:
-    bucket, prefix = split_s3(uri.rstrip("/") + "/")
-    mine = f"{prefix}{VERSIONS_DIR}/{token}/"
+def discard_version(uri: str, token: str) -> None:
+    """Delete the files of a version that will never be published (its writer failed)."""
+    if is_s3(uri):
+        bucket, prefix = split_s3(uri.rstrip("/") + "/")
+        s3._delete_keys(uri, bucket, s3._list_keys(uri, bucket, f"{prefix}{VERSIONS_DIR}/{token}/"))
+    else:
+        shutil.rmtree(_local_version(uri, token), ignore_errors=True)
+
+
+def _entry(path: Path) -> dict:
+    size, sha = _digest(path)
+    return {"size": size, "sha256": sha}
+
+
+def _in_parallel(fn: Callable[..., Any], items: list[tuple]) -> list[Any]:
+    """fn(*item) for every item, up to s3.STREAMS at a time (the store's calls inside bound what is in
+    flight); the results in order. The first failure stops what has not started and is raised."""
+    if len(items) <= 1:
+        return [fn(*item) for item in items]
+    pool = ThreadPoolExecutor(min(s3.STREAMS, len(items)), thread_name_prefix="store-file")
     try:
-        for rel, p in files.items():
-            s3._upload(uri, bucket, mine + rel, p)
-        previous = read_manifest(uri)
-        write_bytes(join(uri, COMPLETE_MARKER), _manifest(token, files, VERSIONED))
-    except BaseException:
-        with contextlib.suppress(Exception):
-            s3._delete_keys(uri, bucket, s3._list_keys(uri, bucket, mine))
-        raise
-    # The version the marker named before ours is finished (its writer wrote the marker), so no writer
-    # still adds to it; a reader still fetching it sees a file vanish and starts over from the marker.
-    # A version no marker ever named (a writer that lost the race) stays until a later cleanup.
+        futures = [pool.submit(fn, *item) for item in items]
+        return [future.result() for future in futures]
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _delete_previous(uri: str, previous: dict | None, token: str) -> None:
+    """Delete the files of the version the marker named before `token`'s. That version is finished (its
+    writer wrote the marker), so no writer still adds to it; a reader still fetching it sees a file vanish
+    and starts over from the marker. A version no marker ever named (a writer that lost the race) stays
+    until a later cleanup."""
+    if previous is None or previous["token"] == token:
+        return
+    bucket, prefix = split_s3(uri.rstrip("/") + "/")
     with contextlib.suppress(StoreError):
-        if previous is not None and previous["token"] != token:
-            if previous["files"] is None:  # an empty marker: everything but the versions and marker
-                old = [
-                    k
-                    for k in s3._list_keys(uri, bucket, prefix)
-                    if not k.startswith(f"{prefix}{VERSIONS_DIR}/") and k != prefix + COMPLETE_MARKER
-                ]
-            elif previous["layout"] == FLAT:  # a local folder copied here flat: exactly its files
-                old = [prefix + rel for rel in previous["files"]]
-            else:
-                old = s3._list_keys(uri, bucket, f"{prefix}{VERSIONS_DIR}/{previous['token']}/")
-            s3._delete_keys(uri, bucket, old)
+        if previous["files"] is None:  # an empty marker: everything but the versions and marker
+            old = [
+                k
+                for k in s3._list_keys(uri, bucket, prefix)
+                if not k.startswith(f"{prefix}{VERSIONS_DIR}/") and k != prefix + COMPLETE_MARKER
+            ]
+        elif previous["layout"] == FLAT:  # a local folder copied here flat: exactly its files
+            old = [prefix + rel for rel in previous["files"]]
+        else:
+            old = s3._list_keys(uri, bucket, f"{prefix}{VERSIONS_DIR}/{previous['token']}/")
+        s3._delete_keys(uri, bucket, old)
 
 
 _RENAME_EXCHANGE = 2
@@ -314,7 +382,6 @@ def download_dir(uri: str, local_dir: str | Path, only: Callable[[str], bool] | 
         if read_manifest(uri) is None:
             raise StoreError(f"{uri}: folder is absent or incomplete (no {COMPLETE_MARKER} marker)")
         return local_path(uri)
-    bucket, prefix = split_s3(uri.rstrip("/") + "/")
     for _ in range(5):
         manifest = read_manifest(uri)
         if manifest is None:
@@ -327,20 +394,7 @@ def download_dir(uri: str, local_dir: str | Path, only: Callable[[str], bool] | 
             rels = sorted(manifest["files"])
         written: list[Path] = []
         try:
-            for rel in rels:
-                if only is not None and not only(rel):
-                    continue
-                expected = (manifest["files"] or {}).get(rel)
-                source = f"s3://{bucket}/{_file_key(prefix, manifest, rel)}"
-                try:
-                    download_file(source, local_dir / rel, expected)
-                except StoreError as e:
-                    if "does not match its checksum" in str(e):
-                        raise StoreError(
-                            f"{uri}: {rel} does not match its checksum in {COMPLETE_MARKER}"
-                        ) from e
-                    raise
-                written.append(local_dir / rel)
+            _fetch(uri, manifest, [rel for rel in rels if only is None or only(rel)], local_dir, written)
         except StoreError as e:
             # A newer writer replaced the folder and deleted (or, in a flat copy, overwrote) the version
             # we were reading: start over.
@@ -364,6 +418,24 @@ def download_dir(uri: str, local_dir: str | Path, only: Callable[[str], bool] | 
         (local_dir / COMPLETE_MARKER).write_bytes(marker)
         return local_dir
     raise StoreError(f"{uri}: the folder kept being replaced while it was downloaded")
+
+
+def _fetch(uri: str, manifest: dict, rels: list[str], local_dir: Path, written: list[Path]) -> None:
+    """Download files `rels` of the folder `manifest` describes, several at a time (up to s3.STREAMS in
+    flight), each checked against its checksum; `written` gets each one that arrived."""
+    bucket, prefix = split_s3(uri.rstrip("/") + "/")
+
+    def fetch(rel: str) -> None:
+        source = f"s3://{bucket}/{_file_key(prefix, manifest, rel)}"
+        try:
+            download_file(source, local_dir / rel, (manifest["files"] or {}).get(rel))
+        except StoreError as e:
+            if "does not match its checksum" in str(e):
+                raise StoreError(f"{uri}: {rel} does not match its checksum in {COMPLETE_MARKER}") from e
+            raise
+        written.append(local_dir / rel)
+
+    _in_parallel(fetch, [(rel,) for rel in rels])
 
 
 def delete_dir(uri: str) -> None:

@@ -1,7 +1,7 @@
 """The S3 side of the store: one cached client configured from the AWS_* variables, the budgeted
 retry around every call, error messages that name the URI, uploads (one PUT, or above
 MULTIPART_THRESHOLD a multipart upload whose parts go up PART_CONCURRENCY at a time, aborted when it
-fails), and listing and bulk deletion under a
+fails), the process's bound on transfers in flight (STREAMS), and listing and bulk deletion under a
 prefix.
 
 Transient S3 failures (connection refused or reset, timeouts, 5xx, throttling) are retried with
@@ -17,9 +17,11 @@ every caller.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +39,12 @@ PART_SIZE = 16 * 1024 * 1024
 # store (a checkpoint's ~100 GB at 100-230 MB/s is minutes). A file's parts stream from the file;
 # botocore's connection pool (10) has room for them.
 PART_CONCURRENCY = 8
+# Transfers (a PUT, a part, a GET's stream) in flight at once in this process, whatever mix of files and
+# parts they belong to: the client's connection pool holds that many. A node's link to the store carries
+# more streams than one process opens, so a checkpoint goes up faster when each rank sends its own files
+# (training/checkpoints.py) than when one process sends them all.
+STREAMS = 8
+_streams = threading.BoundedSemaphore(STREAMS)
 RETRY_BUDGET_ENV = "DYNRUBRIC_S3_RETRY_BUDGET_S"
 DEFAULT_RETRY_BUDGET_S = 120.0
 STALE_UPLOAD_ENV = "DYNRUBRIC_S3_STALE_UPLOAD_S"
@@ -67,6 +75,7 @@ def _client():
         read_timeout=60,
         s3={"addressing_style": "path"},
         signature_version="s3v4",
+        max_pool_connections=STREAMS + 2,  # the transfers, and a listing or a marker beside them
     )
     return boto3.session.Session().client(
         "s3", region_name=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"), config=config
@@ -146,6 +155,13 @@ def _s3_error(uri: str, err: Exception) -> StoreError:
     return StoreError(f"{uri}: {type(err).__name__}: {err}".splitlines()[0])
 
 
+@contextlib.contextmanager
+def _stream():
+    """Hold one of the process's STREAMS transfer slots (around one attempt: a retry's wait holds none)."""
+    with _streams:
+        yield
+
+
 def _s3_call(
     uri: str, fn: Callable[..., Any], *args: Any, budget_s: float | None = None, **kwargs: Any
 ) -> Any:
@@ -178,7 +194,12 @@ def _upload(uri: str, bucket: str, key: str, source: bytes | Path) -> None:
     size = len(source) if isinstance(source, bytes) else source.stat().st_size
     if size < MULTIPART_THRESHOLD:
         body = source if isinstance(source, bytes) else source.read_bytes()
-        _s3_call(uri, _client().put_object, Bucket=bucket, Key=key, Body=body)
+
+        def put() -> None:
+            with _stream():
+                _client().put_object(Bucket=bucket, Key=key, Body=body)
+
+        _s3_call(uri, put)
         return
     upload_id = _s3_call(uri, _client().create_multipart_upload, Bucket=bucket, Key=key)["UploadId"]
 
@@ -186,12 +207,13 @@ def _upload(uri: str, bucket: str, key: str, source: bytes | Path) -> None:
         def attempt() -> dict:
             part = dict(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number)
             if isinstance(source, bytes):
-                return _client().upload_part(**part, Body=source[offset : offset + PART_SIZE])
+                with _stream():
+                    return _client().upload_part(**part, Body=source[offset : offset + PART_SIZE])
             # The part streamed from its window of the file (s3transfer's reader, as boto3's transfer
             # manager sends it): PART_CONCURRENCY parts in flight hold no part whole in memory.
             from s3transfer.utils import ReadFileChunk
 
-            with ReadFileChunk.from_filename(str(source), offset, PART_SIZE) as body:
+            with _stream(), ReadFileChunk.from_filename(str(source), offset, PART_SIZE) as body:
                 return _client().upload_part(**part, Body=body)
 
         resp = _s3_call(uri, attempt)  # each part retried on its own, within its budget

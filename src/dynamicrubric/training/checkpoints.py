@@ -161,23 +161,26 @@ def checkpoint_callback(work_uri: str, origin: dict):
 
     class UploadCheckpoints(TrainerCallback):
         """Copy each trainer checkpoint to the store (complete or absent), with the run's origin
-        beside it for the resume check, then drop older ones. Every process calls on_save: once all
-        have written their files, the first process of each other node uploads its node's part, and
-        rank 0 publishes the checkpoint, its marker last, once every part is in the store."""
+        beside it for the resume check, then drop older ones. Every process calls on_save and uploads a
+        share of its node's files, so a save takes the node's streams, not one process's; each node's
+        first process publishes its node's part once its shares are in, and rank 0 publishes the
+        checkpoint, its marker last, once every other node's part is published."""
 
         def on_save(self, args, state, control, **kwargs):
             local = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             name = f"checkpoint-{state.global_step:05d}"
             uri = store.join(work_uri, name)
-            cpu_waits.barrier()  # every process's files are written (its RNG state comes after the model)
-            node = this_node()
-            if state.is_local_process_zero and node > 0:
-                store.upload_dir(local, node_part(uri, node))
-                shutil.rmtree(local, ignore_errors=True)
-            cpu_waits.barrier()  # every other node's part is stored
             if state.is_world_process_zero:
                 (local / RESUME_INFO).write_text(json.dumps(origin, indent=1))
-                store.upload_dir(local, uri)
+            cpu_waits.barrier()  # every process's files are written (its RNG state comes after the model)
+            node = this_node()
+            stored = uri if node == 0 else node_part(uri, node)
+            version = upload_shares(local, stored, args.process_index, node)
+            if version is not None and node > 0:
+                store.publish_version(stored, *version)
+            cpu_waits.barrier()  # every other node's part is stored
+            if state.is_world_process_zero:
+                store.publish_version(uri, *version)
                 for old in stored_checkpoints(work_uri):
                     if old != name:
                         store.delete_dir(store.join(work_uri, old))
@@ -186,9 +189,10 @@ def checkpoint_callback(work_uri: str, origin: dict):
                 for part in {"/".join(f.split("/")[:2]) for f in files if f.count("/") >= 2}:
                     if not part.endswith("/" + name):
                         store.delete_dir(store.join(nodes, part))
-                shutil.rmtree(local, ignore_errors=True)
             # The checkpoint is stored: no rank goes on into the next step's collectives before that.
             cpu_waits.barrier()
+            if state.is_local_process_zero:
+                shutil.rmtree(local, ignore_errors=True)
             if not state.is_world_process_zero:
                 return
             if os.environ.get(STALL_ENV) == str(state.global_step):
@@ -197,6 +201,31 @@ def checkpoint_callback(work_uri: str, origin: dict):
                     time.sleep(3600)
 
     return UploadCheckpoints()
+
+
+def upload_shares(local: Path, uri: str, rank: int, node: int) -> tuple[str, dict] | None:
+    """Every process of the job uploads its share of its node's checkpoint folder `local` into one
+    unpublished version of `uri` (the node's); every rank must call this. Returns, on the node's first
+    process, the version's token and the entries of all its files, to publish; None on the others."""
+    everyone = cpu_waits.gather_object((node, store.new_token()))
+    ranks = [r for r, (n, _) in enumerate(everyone) if n == node]  # this node's processes, in rank order
+    token = everyone[ranks[0]][1]
+    share = writer_share(store.folder_files(local), len(ranks), ranks.index(rank))
+    entries = cpu_waits.gather_object(store.upload_version(share, uri, token))  # also: all are done
+    if rank != ranks[0]:
+        return None
+    return token, {rel: entry for r in ranks for rel, entry in entries[r].items()}
+
+
+def writer_share(files: dict[str, Path], writers: int, index: int) -> dict[str, Path]:
+    """Writer `index`'s part of `files`: the biggest file first to the writer with the fewest bytes so far.
+    Every writer computes the same split from the same listing, and the bytes come out nearly even
+    (each rank's DCP shards are about the same size, so each rank sends about its own)."""
+    loads, owner = [0] * writers, {}
+    for rel, path in sorted(files.items(), key=lambda item: (-item[1].stat().st_size, item[0])):
+        owner[rel] = loads.index(min(loads))
+        loads[owner[rel]] += path.stat().st_size
+    return {rel: path for rel, path in files.items() if owner[rel] == index}
 
 
 def finished_work(cfg: Config, job: TrainingJob) -> dict:

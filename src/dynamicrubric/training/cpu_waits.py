@@ -1,6 +1,6 @@
 """Where a training rank waits for another rank's work that is not a collective of the accelerators.
 
-Some waits are long and are not the accelerators' work: rank 0 uploading a ~92 GiB trainer checkpoint, a
+Some waits are long and are not the accelerators' work: the ranks uploading a ~92 GiB trainer checkpoint, a
 node's first process downloading it on resume, rank 0 exporting the model, or rank 0 (on several nodes,
 each node's first process) asking the served reward models (G and V behind `vllm serve`) for a step's
 scores while the others wait for them.

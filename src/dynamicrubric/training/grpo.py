@@ -121,7 +121,7 @@ def _grpo(
     cuda = torch.cuda.is_available()
     # Without CUDA: gloo processes (TRL's use_cpu joins this state). This creates the process group, so its
     # timeout is set here: TrainingArguments' ddp_timeout comes after the group exists and never applies.
-    # It bounds every collective wait, among them the other ranks' wait while rank 0 uploads a checkpoint.
+    # It bounds every collective wait on the accelerators (a checkpoint's upload is waited for in cpu_waits).
     timeout = timedelta(seconds=tcfg.process_group_timeout_s)
     state = PartialState(cpu=not cuda, timeout=timeout)
     if state.num_processes > 1:
