@@ -11,6 +11,7 @@ The package, by job:
 - `files`: one file at a URI: read, write, streamed copies to and from local files, exists, delete,
   list, and the pre-flight `check_writable`.
 - `folders`: folders published whole behind a completion marker, and a stage's outputs as a set.
+- `copies`: a complete folder copied to another URI (server-side on S3), published as a folder.
 
 Callers use the names re-exported here (`store.write_bytes(...)`, `from dynamicrubric.store import
 StoreError`). A test that replaces a module-level name must replace it in the module that looks it up
@@ -20,6 +21,7 @@ here only rebinds this package's copy of the name.
 
 from __future__ import annotations
 
+from dynamicrubric.store.copies import copy_dir
 from dynamicrubric.store.files import (
     check_writable,
     copy_file,
@@ -76,6 +78,7 @@ __all__ = [
     "canonical",
     "held_for_writing",
     "check_writable",
+    "copy_dir",
     "copy_file",
     "delete",
     "delete_dir",
