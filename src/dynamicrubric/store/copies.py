@@ -86,8 +86,9 @@ def _copy_in_parts(uri: str, copy_source: dict, bucket: str, key: str, size: int
 
     def copy_part(number: int, start: int) -> dict:
         end = min(start + COPY_PART_SIZE, size) - 1
-        resp = s3._s3_call(uri, client.upload_part_copy, Bucket=bucket, Key=key, UploadId=upload_id,
-                           PartNumber=number, CopySource=copy_source, CopySourceRange=f"bytes={start}-{end}")  # fmt: skip
+        part = {"Bucket": bucket, "Key": key, "UploadId": upload_id, "PartNumber": number}
+        window = {"CopySource": copy_source, "CopySourceRange": f"bytes={start}-{end}"}
+        resp = s3._s3_call(uri, client.upload_part_copy, **part, **window)  # each part retried on its own
         return {"ETag": resp["CopyPartResult"]["ETag"], "PartNumber": number}
 
     try:
