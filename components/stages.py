@@ -18,7 +18,7 @@ from kfp import dsl
 from kfp.dsl import Artifact, Output
 
 from dynamicrubric.infra.config import STAGE_FACTS
-from dynamicrubric.stages.kfp_source import component_functions
+from dynamicrubric.stages.kfp_source import ON_NODES, component_functions
 
 
 def start_tracking(config_yaml: str, run_name: str, first_round: int, config: Output[Artifact]):
@@ -49,7 +49,7 @@ def build(image: str, cpu_image: str) -> SimpleNamespace:
         **{
             f.__name__: dsl.component(
                 f,
-                base_image=image if STAGE_FACTS[f.__name__].runs_model else cpu_image,
+                base_image=image if STAGE_FACTS[f.__name__.removesuffix(ON_NODES)].runs_model else cpu_image,
                 install_kfp_package=False,
             )
             for f in STAGES

@@ -64,6 +64,7 @@ from dynamicrubric.pipelines.run_plan import (
     start_parameters,
 )
 from dynamicrubric.pipelines.task_settings import _configure, model_plan, staged_models
+from dynamicrubric.stages.kfp_source import ON_NODES
 
 # The largest package `dynrubric compile` writes (bytes of YAML): a run's Argo Workflow object is its
 # spec and ~24 KB of node status a task, which Argo fits under its 1 MiB only compressed (~2.4 KB a
@@ -116,6 +117,19 @@ def build_pipeline(cfg: Config, first: int = 1, last: int | None = None):
                 f"r{t}-{label}-rollout",
             )  # fmt: skip
 
+        def trainer(stage: str, ckpts: dict):
+            """A training stage's component and its model inputs. On several nodes, its variant that takes
+            each checkpoint by its URI (the producer's `<name>_uri` output), which KFP does not download
+            into the task's pod (stages/kfp_source.py says why, and what lineage gives up)."""
+            if getattr(cfg, stage).num_nodes == 1:
+                return getattr(c, stage), ckpts
+            by_uri = {}
+            for key, value in ckpts.items():
+                if key.endswith("_ckpt"):  # an output channel of the task that wrote the checkpoint
+                    key, value = key + "_uri", value.task.outputs[f"{value.name}_uri"]
+                by_uri[key] = value
+            return getattr(c, stage + ON_NODES), by_uri
+
         # P_{t-1} and G_{t-1} as a model input: the model's reference, plus from round 2 on the last
         # round's checkpoint artifact (which wins over the reference). A later segment starts from the
         # previous one's final checkpoints, by reference.
@@ -147,14 +161,15 @@ def build_pipeline(cfg: Config, first: int = 1, last: int | None = None):
                         ),
                         f"r{t}-candidates",
                     )
+                train_evaluator, models = trainer("train_evaluator", generator_ckpt)
                 te = _configure(cfg, "train_evaluator")(
-                    c.train_evaluator(
+                    train_evaluator(
                         **common,
                         round_idx=t,
                         verifier_ref=m.verifier,
                         candidate_sets=dsl.Collected(cand.outputs["candidate_sets"]),
                         anchors=dsl.Collected(cand.outputs["anchors"]),
-                        **generator_ckpt,
+                        **models,
                     ),
                     f"r{t}-train-evaluator",
                 )
@@ -222,14 +237,14 @@ def build_pipeline(cfg: Config, first: int = 1, last: int | None = None):
                     audit_tie_rate = agg.outputs["Output"]  # the last one: "after" for dynamic
 
             # ---- policy stage: P_t learns online, rewarded by the round's evaluator
+            train_policy, models = trainer("train_policy", {**policy_ckpt, **generator_ckpt})
             tp = _configure(cfg, "train_policy")(
-                c.train_policy(
+                train_policy(
                     **common,
                     round_idx=t,
                     verifier_ref=m.verifier,
                     prompts=data.outputs["train_prompts"],
-                    **policy_ckpt,
-                    **generator_ckpt,
+                    **models,
                 ),
                 f"r{t}-train-policy",
             )

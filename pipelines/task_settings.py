@@ -37,6 +37,13 @@ def task_resources(cfg: Config, stage: str) -> StageResources:
     (training/trainjob.py)."""
     res = cfg.pipeline.stage_resources(stage)
     if stage in ("train_policy", "train_evaluator") and getattr(cfg, stage).num_nodes > 1:
+        # Its pod's disk holds megabytes: the config, the prompts or candidate shards the launcher delivers,
+        # the trained model's tokenizer files (check_context), the per-step files and metrics it copies.
+        # The checkpoints it trains from reach the nodes as URIs (kfp_source's on-nodes component) and the
+        # export goes to its output server-side (on_nodes.copy_outputs): before, it held ~66 GB of them.
+        # It requests no ephemeral storage: kfp 2.17 cannot ask for it (the container's ResourceSpec has
+        # CPU, memory and accelerators; kfp-kubernetes has emptyDir size limits and PVC-backed generic
+        # ephemeral volumes, no `ephemeral-storage` request), and megabytes fit any node's default.
         return res.model_copy(update={"gpus": 0, "cpu": "1", "memory": "4Gi"})
     return res
 

@@ -14,7 +14,9 @@ and does what the launcher does around each task, so kfp.local still orchestrate
 conditions, collected outputs) while every task sees only what its pod would:
 
 - artifact URIs rewritten from `<local pipeline root>/<rel>` to `s3://<bucket>/<rel>` on a real
-  SeaweedFS, inputs downloaded into the pod's own `s3/` folder, outputs uploaded flat after success;
+  SeaweedFS, inputs downloaded into the pod's own `s3/` folder, outputs uploaded flat after success
+  (an output path the task left absent is skipped, as the launcher skips it with a warning:
+  launcher_v2.go, uploadOutputArtifacts; a task may have written the artifact's URI itself);
 - each task forked (from the preloaded server, as in a local run) into a private mount namespace in
   which the pod's `s3/` folder is `/s3` and the pod's own `tmp/` folder is `/tmp`, hiding every other
   pod, the local pipeline root and everything tests keep under /tmp (model caches, the object store's
@@ -22,7 +24,7 @@ conditions, collected outputs) while every task sees only what its pod would:
   copied back for kfp.local;
 - the model-cache volume of a stage that has one (its `sizeLimit` from `pipeline.model_cache_size`),
   with the caches pointed at it as the compiled pipeline points them, and the pod evicted when it
-  writes more (its use polled, as the kubelet does);
+  writes more (its use polled, as the kubelet does: pod_limits.DiskWatcher);
 - the memory limit of the task's stage (`pipeline.resources`, what the compiled pipeline requests)
   enforced with the cgroup v1 memory controller: a task that goes over is killed with exit code 137,
   as a pod is OOM-killed. Pages the task inherits from the preloaded server (its imports) are charged
@@ -41,13 +43,12 @@ import os
 import shutil
 import signal
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from pod_limits import remove_group, v1_memory_group
+from pod_limits import DiskWatcher, remove_group, v1_memory_group
 
 from dynamicrubric.infra.config import STAGE_FACTS, Config, quantity_bytes
 from dynamicrubric.localrun.task_monitor import _executor_input
@@ -207,7 +208,8 @@ class PodLauncher(TaskStarter):
                 "HF_HOME": "/tmp/model-cache/huggingface",
             }
             record["cache_limit"] = cache_limit
-            watcher = _CacheWatcher(cache, cache_limit, record, lambda: _kill_all(cgroup))
+            watcher = DiskWatcher(cache, cache_limit, record, lambda: _kill_all(cgroup), what="model-cache",
+                                  limit_name="sizeLimit", peak="cache_peak")  # fmt: skip
         task = _Fork(
             self._context,
             code,
@@ -230,9 +232,9 @@ class PodLauncher(TaskStarter):
             if code != 0:
                 return code  # the launcher uploads nothing of a failed task
             for local, uri in uploads:
-                if not local.exists():
-                    record["missing_output"] = uri  # the launcher fails the task
-                    return 1
+                if not local.exists():  # the launcher warns and records the artifact at its URI
+                    record.setdefault("not_uploaded", []).append(uri)  # (a task may write it there itself)
+                    continue
                 _upload_flat(local, uri)
             for src, dst in copy_back:
                 if src.exists():
@@ -253,44 +255,6 @@ def _kill_all(cgroup: Path) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.1)
-
-
-class _CacheWatcher:
-    """The kubelet's check of an emptyDir's sizeLimit: the folder's disk use, every 0.2 s (the kubelet
-    looks every 10 s or so: this is stricter), its peak recorded; over the limit the pod is evicted."""
-
-    def __init__(self, folder: Path, limit: int, record: dict, evict: Callable[[], None]):
-        self.folder, self.limit, self.record, self.evict = folder, limit, record, evict
-        self.record["cache_peak"] = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-
-    def _watch(self) -> None:
-        while not self._stop.wait(0.2):
-            used = _disk_use(self.folder)
-            self.record["cache_peak"] = max(self.record["cache_peak"], used)
-            if used > self.limit:
-                self.record["evicted"] = f"model-cache {used} B over its sizeLimit {self.limit} B"
-                self.evict()
-                return
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        if not self.record.get("evicted"):
-            self.record["cache_peak"] = max(self.record["cache_peak"], _disk_use(self.folder))
-
-
-def _disk_use(folder: Path) -> int:
-    """Bytes of disk the files under `folder` take (as `du` counts them); files vanishing meanwhile are
-    skipped."""
-    total = 0
-    for dirpath, _, names in os.walk(folder):
-        for name in names:
-            with contextlib.suppress(FileNotFoundError):
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-    return total
 
 
 class _PodTask(TaskProcess):

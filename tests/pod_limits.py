@@ -10,6 +10,10 @@ Python instead of a kill). `memory_limit_mechanism()` says which one works here 
 
 Page cache counts towards a cgroup's limit but is reclaimed before anything is killed, so writing a file
 larger than the limit is fine; a tmpfs file (shared memory) is not reclaimable and does count.
+
+A disk limit (a pod's `ephemeral-storage` limit, an emptyDir's `sizeLimit`) is held as the kubelet holds
+it: `DiskWatcher` polls the disk use of the folder that stands for the pod's writable storage and evicts
+the pod (kills its processes) once it is over; `run_with_disk_limit` runs a command so.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ import contextlib
 import functools
 import os
 import resource
+import signal
 import subprocess
+import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +161,70 @@ def run_with_memory_limit(
         return proc
     finally:
         remove_group(group)
+
+
+class DiskWatcher:
+    """The kubelet's check of a pod's local storage: the disk use of `folder` every 0.2 s (the kubelet
+    looks every 10 s or so: this is stricter), its peak in `record[peak]`; over `limit` bytes the pod is
+    evicted (`evict()`), and `record["evicted"]` says why."""
+
+    def __init__(self, folder: Path, limit: int, record: dict, evict: Callable[[], None], *,
+                 what: str, limit_name: str, peak: str):  # fmt: skip
+        self.folder, self.limit, self.record, self.evict = folder, limit, record, evict
+        self.what, self.limit_name, self.peak = what, limit_name, peak
+        self.record[peak] = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.2):
+            used = disk_use(self.folder)
+            self.record[self.peak] = max(self.record[self.peak], used)
+            if used > self.limit:
+                self.record["evicted"] = f"{self.what} {used} B over its {self.limit_name} {self.limit} B"
+                self.evict()
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        if not self.record.get("evicted"):
+            self.record[self.peak] = max(self.record[self.peak], disk_use(self.folder))
+
+
+def disk_use(folder: Path) -> int:
+    """Bytes of disk the files under `folder` take (as `du` counts them); files vanishing meanwhile are
+    skipped."""
+    total = 0
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+    return total
+
+
+def run_with_disk_limit(
+    cmd: Sequence[str], folder: Path, limit_bytes: int, *, timeout: float = 300, **popen_kwargs: Any
+) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run `cmd` as a pod whose writable storage is `folder` (its files, its TMPDIR, its mounts: the caller
+    points them there) with an ephemeral-storage limit of `limit_bytes`: over it, the command and its
+    children are killed (exit 137) as the kubelet evicts the pod. Returns the completed process (output
+    as text) and the record: the peak disk use ("disk_peak"), and why it was evicted ("evicted")."""
+    record: dict = {}
+    proc = subprocess.Popen(list(cmd), start_new_session=True, text=True, **popen_kwargs)
+
+    def evict() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    watcher = DiskWatcher(folder, limit_bytes, record, evict, what="the pod's local storage",
+                          limit_name="ephemeral-storage limit", peak="disk_peak")  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        watcher.stop()
+        evict()  # a pod's end leaves no process of it behind
+        proc.wait()
+    code = 137 if proc.returncode == -9 else proc.returncode
+    return subprocess.CompletedProcess(list(cmd), code, out, err), record

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -106,22 +107,32 @@ def test_a_two_node_stage_renders_as_a_trainjob_field_by_field():
 
 def test_the_compiled_two_node_package_submits_from_a_task_without_gpus(tmp_path):
     """In the compiled paper package the two training tasks request no GPU (they submit and follow);
-    the other GPU tasks keep theirs."""
+    the other GPU tasks keep theirs. They take no checkpoint as an input artifact, which KFP's launcher
+    would download into their pods: round 2's trainers get round 1's checkpoints by their URIs."""
     from kfp import compiler
 
     from dynamicrubric.pipelines.co_evolution import build_pipeline
 
     cfg = load_config(
-        preset="paper", overrides={**TWO_NODES, "pipeline": {**TWO_NODES["pipeline"], "rounds": 1}}
+        preset="paper", overrides={**TWO_NODES, "pipeline": {**TWO_NODES["pipeline"], "rounds": 2}}
     )
     package = tmp_path / "two-nodes.yaml"
     compiler.Compiler().compile(build_pipeline(cfg), str(package))
-    executors = next(yaml.safe_load_all(package.read_text()))["deploymentSpec"]["executors"]
-    resources = {name: e["container"].get("resources", {}) for name, e in executors.items()}
-    for stage in ("train-policy", "train-evaluator"):
+    spec = next(yaml.safe_load_all(package.read_text()))
+    resources = {
+        name: e["container"].get("resources", {}) for name, e in spec["deploymentSpec"]["executors"].items()
+    }
+    for stage in ("train-policy-on-nodes", "train-evaluator-on-nodes"):
         assert "accelerator" not in resources[f"exec-{stage}"], stage
         assert resources[f"exec-{stage}"]["cpuLimit"] == 1.0
+        assert set(spec["components"][f"comp-{stage}"]["inputDefinitions"]["artifacts"]) <= {
+            "config", "prompts", "candidate_sets", "anchors"}  # fmt: skip
     assert resources["exec-rollout"]["accelerator"]["resourceCount"] == "1"
+    given = spec["root"]["dag"]["tasks"]["train-policy-on-nodes-2"]["inputs"]["parameters"]
+    assert given["policy_ckpt_uri"] == {
+        "taskOutputParameter": {"outputParameterKey": "policy_uri", "producerTask": "train-policy-on-nodes"}
+    }
+    assert given["generator_ckpt_uri"]["taskOutputParameter"]["outputParameterKey"] == "generator_uri"
 
 
 def test_every_node_launches_the_whole_world_size_from_the_runtime_rendezvous():
@@ -402,6 +413,94 @@ def test_a_stand_in_node_sees_only_its_pod_and_holds_only_its_memory(cluster, tm
     log = cluster.job("greedy").nodes[0].log.read_text()
     assert "task's file visible: False" in log and "survived" not in log
     assert {n.memory_limit for n in cluster.job("greedy").nodes} == {256 * 2**20}
+
+
+# A node that stands in for training: rank 0 exports the policy it was handed, read from the store
+# by its URI, as the trained model, and writes a step's file, the metrics and the result.
+EXPORTING_NODE = """
+import os, sys
+from pathlib import Path
+from dynamicrubric import store
+from dynamicrubric.training.data import TrainingJob
+job = TrainingJob.from_json(store.read_bytes(sys.argv[2]).decode())
+assert store.is_complete(job.generator), job.generator
+if os.environ["PET_NODE_RANK"] == "0":
+    store.upload_dir(store.download_dir(job.policy, Path("export")), job.out_uri)
+    store.write_bytes(store.join(job.steps_uri, "step-00001", "scores.parquet"), b"step 1")
+    store.write_bytes(job.metrics_uri, b"metrics")
+    store.write_bytes(sys.argv[3], b'{"loss": 0.5}')
+"""
+# The KFP task: train_on_nodes as the on-nodes component calls it, with the nodes above.
+TASK = """
+import json, sys
+from pathlib import Path
+from dynamicrubric.infra import tracking
+from dynamicrubric.infra.config_loading import config_from_yaml
+from dynamicrubric.training import on_nodes, trainjob
+from dynamicrubric.training.data import TrainingJob
+on_nodes.POLL_S = 0.2
+tracking.POD_PREFIXES = json.loads(sys.argv[3])
+trainjob.node_command = lambda *uris: [sys.executable, "-c", sys.argv[4], *uris]
+cfg, job = config_from_yaml(Path(sys.argv[1]).read_text()), TrainingJob.from_json(Path(sys.argv[2]).read_text())
+print("result", json.dumps(on_nodes.train_on_nodes(cfg, job)))
+"""
+PADDING = 12 << 20  # each input checkpoint's weights, beside tiny-random's own 5 MB
+
+
+def test_the_task_runs_under_a_disk_limit_below_its_two_input_checkpoints(cluster, s3_env, tmp_path):
+    """The KFP task of a stage on several nodes holds next to nothing on its pod's disk: the policy and
+    the generator reach the nodes as store URIs (the on-nodes component takes them so: KFP would
+    download an input artifact into the pod), and the export reaches the task's output by server-side
+    copies, never through the pod. Its pod's ephemeral-storage limit, held as the kubelet holds it
+    (evicted once over), is below the two checkpoints' size, and below the export's."""
+    from pod_limits import run_with_disk_limit
+
+    cfg = _nodes_cfg()
+    pod = (tmp_path / TASK_POD).resolve()
+    mount, root = pod / "s3" / s3_env / "small-disk", f"s3://{s3_env}/small-disk"
+    checkpoints = {}
+    for role in ("policy", "generator"):
+        folder = tmp_path / role
+        shutil.copytree(prepare_model("tiny-random"), folder)
+        (folder / "padding.bin").write_bytes(os.urandom(PADDING))
+        checkpoints[role] = f"{root}/{role}-0"
+        store.upload_dir(folder, checkpoints[role])
+    sizes = [
+        sum(e["size"] for e in store.read_manifest(uri)["files"].values()) for uri in checkpoints.values()
+    ]
+    limit = 16 << 20
+    assert limit < min(sizes) and limit < sum(sizes) / 2
+    # What the launcher delivers: the prompts (an input artifact) into the pod's /s3 mount; nothing else.
+    mount.mkdir(parents=True)
+    write_artifact(str(mount / "prompts.parquet"), "prompts", tasks.configured_prompts(cfg.data, "train"))
+    job = TrainingJob("train-policy", str(mount / "policy"), str(mount / "steps"), str(mount / "metrics.parquet"),
+                      round_idx=1, prompts_uri=str(mount / "prompts.parquet"), **checkpoints)  # fmt: skip
+    (tmp_path / "config.yaml").write_text(cfg.to_yaml())
+    (tmp_path / "job.json").write_text(job.to_json())
+    env = {
+        **os.environ,
+        "TMPDIR": str(pod / "tmp"),
+        "DYNRUBRIC_CACHE": str(pod / "cache"),
+        "HF_HOME": str(pod / "hf"),
+    }
+    (pod / "tmp").mkdir()
+    args = [
+        str(tmp_path / "config.yaml"),
+        str(tmp_path / "job.json"),
+        json.dumps(tracking.POD_PREFIXES),
+        EXPORTING_NODE,
+    ]
+    proc, record = run_with_disk_limit([sys.executable, "-c", TASK, *args], pod, limit, timeout=300, env=env,
+                                       cwd=pod, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    assert proc.returncode == 0 and "evicted" not in record, (record, proc.stdout[-3000:])
+    assert 'result {"loss": 0.5}' in proc.stdout
+    out = f"{root}/policy"  # the output artifact's URI: the task wrote it there, and left its pod path empty
+    assert store.read_manifest(out)["files"] == store.read_manifest(checkpoints["policy"])["files"]
+    assert not (mount / "policy").exists()
+    assert (mount / "steps" / "step-00001" / "scores.parquet").read_bytes() == b"step 1"
+    handed = TrainingJob.from_json(store.read_bytes(f"{out}.work/trainjob/job.json").decode())
+    assert (handed.policy, handed.generator) == (checkpoints["policy"], checkpoints["generator"])
+    assert record["disk_peak"] < limit
 
 
 def _weights(uri: str, local: Path) -> dict[str, torch.Tensor]:

@@ -4,13 +4,15 @@ follow it, collect what its nodes wrote.
 The task needs no GPU. It writes the config and the job to the stage's work prefix in the store (what
 every node reads), submits the TrainJob, and follows it through the Kubernetes API (the `kubernetes`
 client, as the Kubeflow SDK does): status changes and the nodes' log lines go to the task's log. The
-nodes write the stage's outputs under the work prefix (a pod path such as /s3/b/k is the KFP task's
-own, uploaded only when it succeeds); the task copies them to its outputs once the TrainJob is
-complete. A failed TrainJob fails the task with one line naming it; a cancelled task (SIGTERM) deletes
-it. A retried task follows the TrainJob of the same name where it still runs (the attempt before died
-without deleting it, or lost the API), else deletes the one that ended and submits again, and the
-trainer resumes from the newest trainer checkpoint in the work prefix (training/checkpoints.py). A
-retry after the TrainJob completed only copies.
+nodes write the stage's outputs under the work prefix (a pod path such as /s3/b/k is the KFP task's own,
+uploaded only when it succeeds); the task copies them to its outputs once the TrainJob is complete, the
+checkpoint by server-side copies straight to its output's URI (`in_store`): the task's pod never holds
+the models it trains from (they reach the nodes as URIs: stages/kfp_source.py) nor the one it exports. A
+failed TrainJob fails the task with one line naming it; a cancelled task (SIGTERM) deletes it. A retried
+task follows the TrainJob of the same name where it still runs (the attempt before died without deleting
+it, or lost the API), else deletes the one that ended and submits again, and the trainer resumes from the
+newest trainer checkpoint in the work prefix (training/checkpoints.py). A retry after the TrainJob
+completed only copies.
 
 The Kubeflow SDK's TrainerClient builds its own TrainJob from its trainer types, which have no command
 for a custom image, and its local-process backend runs one node (kubeflow 0.5.0). So the TrainJob is
@@ -20,11 +22,11 @@ submitted with the SDK's models and the Kubernetes client directly.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -145,15 +147,31 @@ def outcome(trainjob: dict) -> tuple[str, str] | None:
 def train_on_nodes(cfg: Config, job: TrainingJob, jobs: TrainJobs | None = None) -> dict:
     """Run a training job as a TrainJob and return its final metrics, as `launcher.launch` does on one
     node (see the module docstring)."""
-    if store.is_complete(job.out_uri):
-        return already_done(cfg, job)
+    exported = in_store(job)
+    if store.is_complete(exported.out_uri):
+        return already_done(cfg, exported)
     files = NodeFiles.of(cfg, job)  # first: a job that no node can read is refused before any download
     check_job(cfg, job)
     if not store.is_complete(files.job.out_uri):  # else: done by an earlier attempt; collect it
         _run(cfg, job, files, jobs or TrainJobs.connect())
     result = json.loads(store.read_bytes(files.result_uri))
-    copy_outputs(files.job, job)
+    copy_outputs(files.job, exported)
     return result
+
+
+def in_store(job: TrainingJob) -> TrainingJob:
+    """`job` with its checkpoint output as the store's URI where the task sees it as its pod's path
+    (/s3/b/k is s3://b/k): the task writes the export there itself, by server-side copies, and leaves
+    the pod path empty. KFP's launcher uploads an output path only where it exists (a missing one is a
+    warning: backend/src/v2/component/launcher_v2.go, uploadOutputArtifacts) and records the artifact
+    at its URI either way, so the model reaches KFP's lineage and the next tasks as before, while the
+    task's pod never holds a byte of it. The steps and metrics stay pod paths: they are small, and the
+    stage's MLflow lineage reads them there."""
+    from dynamicrubric.infra.tracking import POD_PREFIXES, artifact_uri
+
+    if job.out_uri.startswith(tuple(POD_PREFIXES)) and store.is_s3(artifact_uri(job.out_uri)):
+        return dataclasses.replace(job, out_uri=artifact_uri(job.out_uri))
+    return job
 
 
 def _run(cfg: Config, job: TrainingJob, files: NodeFiles, jobs: TrainJobs) -> None:
@@ -322,10 +340,11 @@ def _api_errors(where: str) -> Iterator[None]:
 
 def copy_outputs(src: TrainingJob, dst: TrainingJob) -> None:
     """The nodes' outputs (in the work prefix) to the task's own: the checkpoint folder whole (its marker
-    last), every per-step file, the metrics file. Every file is streamed through local disk, none is
-    ever whole in memory (a trained model's one safetensors file can be 16 GB; the task has 4Gi)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        store.upload_dir(store.download_dir(src.out_uri, Path(tmp) / "out"), dst.out_uri)
+    last), every per-step file, the metrics file. The checkpoint (a trained model's one safetensors file
+    can be 16 GB; the task has 4Gi and next to no disk) is copied by the store itself, server-side, to
+    `dst.out_uri` in the store (`in_store`); the small files stream through the task, none ever whole
+    in memory."""
+    store.copy_dir(src.out_uri, dst.out_uri)
     for rel in store.list_files(src.steps_uri):
         store.copy_file(store.join(src.steps_uri, rel), store.join(dst.steps_uri, rel))
     if src.metrics_uri and dst.metrics_uri:
