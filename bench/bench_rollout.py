@@ -61,8 +61,9 @@ def run_model_generate(
     for start in range(0, len(prompts), per_batch):
         ids = [tok.encode(p, add_special_tokens=False) for p in prompts[start : start + per_batch]]
         width = max(len(i) for i in ids)
-        input_ids = torch.tensor([[engine.pad_id] * (width - len(i)) + i for i in ids])
-        mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
+        # On the model's device: generate does not move its inputs (a CUDA model fails on CPU tensors).
+        input_ids = torch.tensor([[engine.pad_id] * (width - len(i)) + i for i in ids], device=engine.device)
+        mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=engine.device)
         with torch.inference_mode():
             out = engine.model.generate(input_ids=input_ids, attention_mask=mask, **settings)
         for row in out[:, width:].tolist():

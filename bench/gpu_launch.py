@@ -46,9 +46,18 @@ class LaunchFailed(Exception):
     pass
 
 
-def launch(cmd: list[str], env: dict[str, str], log: Path, stop_at: str | None = None) -> str:
-    """Run one launch to its end (or, with `stop_at`, until a line holds it, then kill it and its workers:
-    torchrun starts each in a session of its own); its output goes to `log` and is returned."""
+def launch(
+    cmd: list[str],
+    env: dict[str, str],
+    log: Path,
+    stop_at: str | None = None,
+    grace_s: float = 0.0,
+    timeout_s: float = RUN_TIMEOUT_S,
+) -> str:
+    """Run one launch to its end (or, with `stop_at`, until a line holds it, then, `grace_s` later, kill it
+    and its workers: torchrun starts each in a session of its own), for `timeout_s` at most; its output
+    goes to `log` and is returned. A SIGTERM (gpu_smoke.sh's `timeout`) kills them too: a GPU left held by
+    an orphaned worker would fail every step after it."""
     import psutil
 
     lines: list[str] = []
@@ -56,31 +65,63 @@ def launch(cmd: list[str], env: dict[str, str], log: Path, stop_at: str | None =
         proc = subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        reached = False
-        for line in proc.stdout:
-            out.write(line)
-            lines.append(line)
-            if stop_at and stop_at in line:
-                reached = True
-                break
-            if time.monotonic() > deadline:
-                break
-        workers = psutil.Process(proc.pid).children(recursive=True)
-        if stop_at or proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            for worker in workers:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    worker.kill()
-        rc = proc.wait()
-        psutil.wait_procs(workers, timeout=30)
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        try:
+            deadline = time.monotonic() + timeout_s
+            reached = False
+            for line in proc.stdout:
+                out.write(line)
+                lines.append(line)
+                if stop_at and stop_at in line:
+                    reached = True
+                    time.sleep(grace_s)  # e.g. for a watcher in the worker to record what it saw last
+                    break
+                if time.monotonic() > deadline:
+                    break
+        finally:
+            workers = psutil.Process(proc.pid).children(recursive=True)
+            if stop_at or proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                for worker in workers:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        worker.kill()
+            rc = proc.wait()
+            psutil.wait_procs(workers, timeout=30)
+            signal.signal(signal.SIGTERM, previous)
     text = "".join(lines)
     if stop_at and not reached:
-        raise LaunchFailed(f"the first launch never printed {stop_at!r} (exit {rc}; see {log})")
+        raise LaunchFailed(f"the launch never printed {stop_at!r} (exit {rc}; see {log})")
     if not stop_at and rc != 0:
-        raise LaunchFailed(f"the resumed launch exited with {rc} (see {log})")
+        raise LaunchFailed(f"the launch exited with {rc} (see {log})")
     return text
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through launch's cleanup, which Python's default exit skips
+
+
+def training_job(work: Path, cfg: Any, policy: str) -> tuple[Any, list[str], dict[str, str]]:
+    """A train-policy job of `policy` on `cfg`'s train prompts, written into `work` as a training task
+    writes it, and the launcher's command and environment for it (FSDP2 through the test hook, whatever
+    the world size). Returns the job, the command and the environment."""
+    from dynamicrubric import tasks
+    from dynamicrubric.infra.artifacts import write_artifact
+    from dynamicrubric.training import launcher
+    from dynamicrubric.training.data import TrainingJob
+    from dynamicrubric.training.fsdp_hook import FSDP_TEST_ENV
+
+    prompts_uri = str(work / "prompts.parquet")
+    write_artifact(prompts_uri, "prompts", tasks.configured_prompts(cfg.data, "train"))
+    job = TrainingJob("train-policy", str(work / "policy"), str(work / "steps"),
+                      metrics_uri=str(work / "metrics.parquet"), round_idx=1, policy=policy,
+                      generator="tiny-random", prompts_uri=prompts_uri)  # fmt: skip
+    (work / "config.yaml").write_text(cfg.to_yaml())
+    (work / "job.json").write_text(job.to_json())
+    env = {**launcher.training_env(cfg.train_policy, os.environ), FSDP_TEST_ENV: "1"}
+    args = ["--config", str(work / "config.yaml"), "--job", str(work / "job.json")]
+    os.environ[FSDP_TEST_ENV] = "1"  # launch_command reads it here
+    return job, launcher.launch_command(cfg.train_policy.world_size, args), env
 
 
 def run(work: Path, result: dict[str, Any]) -> list[str]:
@@ -88,14 +129,12 @@ def run(work: Path, result: dict[str, Any]) -> list[str]:
     os.environ.setdefault("DYNRUBRIC_CACHE", str(work / "cache"))
     from transformers import AutoModelForCausalLM
 
-    from dynamicrubric import store, tasks
-    from dynamicrubric.infra.artifacts import read_frame, write_artifact
+    from dynamicrubric import store
+    from dynamicrubric.infra.artifacts import read_frame
     from dynamicrubric.infra.config_loading import load_config
     from dynamicrubric.infra.models import resolve_model
     from dynamicrubric.training import launcher
     from dynamicrubric.training.checkpoints import STALL_ENV
-    from dynamicrubric.training.data import TrainingJob
-    from dynamicrubric.training.fsdp_hook import FSDP_TEST_ENV
 
     cuda = torch.cuda.is_available()
     (work / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
@@ -110,17 +149,7 @@ def run(work: Path, result: dict[str, Any]) -> list[str]:
             "aggregate": {"soft": True},
         },
     )
-    prompts_uri = str(work / "prompts.parquet")
-    write_artifact(prompts_uri, "prompts", tasks.configured_prompts(cfg.data, "train"))
-    job = TrainingJob("train-policy", str(work / "policy"), str(work / "steps"),
-                      metrics_uri=str(work / "metrics.parquet"), round_idx=1, policy="tiny-random",
-                      generator="tiny-random", prompts_uri=prompts_uri)  # fmt: skip
-    (work / "config.yaml").write_text(cfg.to_yaml())
-    (work / "job.json").write_text(job.to_json())
-    env = {**launcher.training_env(cfg.train_policy, os.environ), FSDP_TEST_ENV: "1"}
-    args = ["--config", str(work / "config.yaml"), "--job", str(work / "job.json")]
-    os.environ[FSDP_TEST_ENV] = "1"  # launch_command reads it here
-    cmd = launcher.launch_command(1, args)
+    job, cmd, env = training_job(work, cfg, "tiny-random")
     result["command"] = cmd
     problems = []
     if str(launcher.accelerate_config(2, cuda=True)) not in cmd:

@@ -88,11 +88,12 @@ def lora_param_count(shape: dict[str, int], rank: int) -> int:
 
 def build_tokenizer(vocab_size: int) -> Any:
     """A word-level tokenizer with exactly `vocab_size` ids, so that every id a random model samples
-    decodes: role words, synthetic words w0, w1, ..., and the ChatML specials last."""
+    decodes: role words, the yes/no spellings (the project's engines refuse a tokenizer without them,
+    bench/gpu_sampler.py wraps one), synthetic words w0, w1, ..., and the ChatML specials last."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = ["user", "assistant", "system"]
+    words = ["user", "assistant", "system", "yes", "Yes", "YES", "no", "No", "NO"]
     words += [f"w{i}" for i in range(vocab_size - len(words) - len(SPECIALS))]
     vocab = {token: i for i, token in enumerate([*words, *SPECIALS])}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))

@@ -97,6 +97,7 @@ __all__ = [
     "round_seed",
     "served_roles",
     "step_seed",
+    "training_state_gib",
 ]
 
 
@@ -251,6 +252,17 @@ def gpu_count_mismatch(stage: str, tcfg: TrainConfig, gpus: int) -> str | None:
     )
 
 
+# fp32 weights, gradients and Adam's two moments (4 + 4 + 4 + 4 B) of every trained parameter: a full
+# finetune (FSDP keeps fp32 master weights under bf16 mixed precision, accelerate upcasts them).
+TRAINING_STATE_BYTES_PER_PARAM = 16
+
+
+def training_state_gib(params: float, world_size: int) -> float:
+    """One training GPU's share of a full finetune's state, the GPU memory plan's first term: params x 16 B
+    sharded over world_size (bench/gpu_full.py measures a one-GPU step against it)."""
+    return params * TRAINING_STATE_BYTES_PER_PARAM / GIB / world_size
+
+
 def check_gpu_memory_plan(cfg: Config) -> None:
     """Refuse a training task's GPU plan that cannot fit, with one error naming the numbers.
 
@@ -296,7 +308,7 @@ def check_gpu_memory_plan(cfg: Config) -> None:
                 "in billions of parameters (e.g. 8.2 for Qwen3-8B)"
             )
             continue
-        state = sizes[trained] * 1e9 * 16 / GIB / world
+        state = training_state_gib(sizes[trained] * 1e9, world)
         colocated = tcfg.vllm_gpu_memory_utilization * gpu
         total = state + tcfg.activation_memory_gib + colocated
         if total > gpu:
