@@ -91,8 +91,10 @@ def component_source(stage: Stage, on_nodes: bool = False) -> str:
     lines.append(f"    result = {call}" if stage.kfp_summary or stage.kfp_returns else f"    {call}")
     if stage.kfp_summary:
         lines.append("    write_kfp_metrics(summary, result)")
+    if models_out:  # as the store names it (a minio:// root's URI is s3://), for the tasks that take it
+        lines.append("    from dynamicrubric.infra.tracking import artifact_uri\n")
     for out in models_out:
-        lines.append(f'    with open({out}_uri, "w") as f:\n        f.write({out}.uri)')
+        lines.append(f'    with open({out}_uri, "w") as f:\n        f.write(artifact_uri({out}.uri))')
     if stage.kfp_returns:
         lines.append(f'    return float(result.get("{stage.kfp_returns}", 0.0))')
     return "\n".join(lines) + "\n"
