@@ -501,6 +501,10 @@ def test_the_task_runs_under_a_disk_limit_below_its_two_input_checkpoints(cluste
     handed = TrainingJob.from_json(store.read_bytes(f"{out}.work/trainjob/job.json").decode())
     assert (handed.policy, handed.generator) == (checkpoints["policy"], checkpoints["generator"])
     assert record["disk_peak"] < limit
+    # A retry, in a fresh pod (its pod paths empty): no second TrainJob, the outputs copied again.
+    shutil.rmtree(mount / "steps")
+    assert train_on_nodes(cfg, job) == {"loss": 0.5} and len(cluster.created) == 1
+    assert (mount / "steps" / "step-00001" / "scores.parquet").read_bytes() == b"step 1"
 
 
 def _weights(uri: str, local: Path) -> dict[str, torch.Tensor]:

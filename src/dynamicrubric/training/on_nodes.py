@@ -148,8 +148,10 @@ def train_on_nodes(cfg: Config, job: TrainingJob, jobs: TrainJobs | None = None)
     """Run a training job as a TrainJob and return its final metrics, as `launcher.launch` does on one
     node (see the module docstring)."""
     exported = in_store(job)
-    if store.is_complete(exported.out_uri):
-        return already_done(cfg, exported)
+    # A pod path is empty in every attempt's pod, as it was before the export went to the store: a retry
+    # copies again from the TrainJob's export (server-side), so the steps and metrics come to its pod too.
+    if exported is job and store.is_complete(job.out_uri):
+        return already_done(cfg, job)
     files = NodeFiles.of(cfg, job)  # first: a job that no node can read is refused before any download
     check_job(cfg, job)
     if not store.is_complete(files.job.out_uri):  # else: done by an earlier attempt; collect it
