@@ -47,10 +47,16 @@ def _model_cache(tmp_path_factory):
     yield
 
 
-# Session fixtures that cost minutes, each shared by the tests that use it: under pytest-xdist every
-# worker is a session of its own, so the tests of one such fixture go to one worker (`--dist loadgroup`),
-# which runs it once. A test that uses two of them joins the first one's group.
-SHARED_FIXTURE_GROUPS = {"tiny_run": "tiny-run", "mlflow_server": "mlflow-server"}
+# Fixtures that cost minutes, each shared by the tests that use it: under pytest-xdist every worker is a
+# session of its own, so the tests of one such fixture go to one worker (`--dist loadgroup`), which runs
+# it once. A module's fixture (pipeline_run) also needs its tests run one after another: START_FIRST
+# moves one of them ahead, and apart from the others it was set up again, minutes each time. A test
+# that uses two of them joins the first one's group.
+SHARED_FIXTURE_GROUPS = {
+    "tiny_run": "tiny-run",
+    "mlflow_server": "mlflow-server",
+    "pipeline_run": "pipeline-run",
+}
 
 # The tests that take longest on the 2-core machine start first, so that the workers finish together
 # rather than one running a long test alone at the end (pytest's --durations on CI; ordered longest first).
