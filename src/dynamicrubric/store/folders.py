@@ -198,9 +198,11 @@ def upload_version(files: dict[str, Path], uri: str, token: str) -> dict[str, di
         mine = f"{prefix}{VERSIONS_DIR}/{token}/"
 
         def send(rel: str, path: Path) -> dict:
-            entry = _entry(path)
-            s3._upload(uri, bucket, mine + rel, path)
-            return entry
+            # The file's hash is taken while it goes up (hashlib frees the GIL), not before.
+            with ThreadPoolExecutor(1, thread_name_prefix="store-hash") as hasher:
+                entry = hasher.submit(_entry, path)
+                s3._upload(uri, bucket, mine + rel, path)
+                return entry.result()
     else:
         version = _local_version(uri, token)
 
