@@ -164,6 +164,43 @@ def test_the_parts_of_a_multipart_upload_go_up_together(s3_env, monkeypatch):
     assert store.read_bytes(uri) == data
 
 
+def test_a_large_file_of_a_folder_comes_down_in_parts_together(s3_env, tmp_path, monkeypatch):
+    """A folder's file above MULTIPART_THRESHOLD (its size known from the manifest) is fetched by ranged
+    GETs in flight together: the first two parts each wait at a barrier only concurrent parts pass. A
+    part whose store call fails once is fetched again on its own, and the file is checked whole."""
+    from botocore.exceptions import ConnectionClosedError
+
+    monkeypatch.setattr(s3, "MULTIPART_THRESHOLD", 5 * 1024 * 1024)
+    monkeypatch.setattr(s3, "PART_SIZE", 5 * 1024 * 1024)
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(os.urandom(18 * 1024 * 1024))  # four parts, the last short
+    uri = f"s3://{s3_env}/ranged"
+    store.upload_dir(src, uri)
+    client = s3._client()
+    real_get, together, ranges = client.get_object, threading.Barrier(2, timeout=60), []
+
+    def get_object(**kwargs):
+        ranges.append(kwargs.get("Range"))
+        if (
+            kwargs.get("Range") in ("bytes=0-5242879", "bytes=5242880-10485759")
+            and ranges.count(kwargs["Range"]) == 1
+        ):
+            together.wait()
+        if kwargs.get("Range") == "bytes=15728640-18874367" and ranges.count(kwargs["Range"]) == 1:
+            raise ConnectionClosedError(endpoint_url="test")  # transient: retried
+        return real_get(**kwargs)
+
+    monkeypatch.setattr(client, "get_object", get_object)
+    monkeypatch.setenv(store.RETRY_BUDGET_ENV, "30")
+    dl = store.download_dir(uri, tmp_path / "dl")
+    assert (dl / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    assert sorted({r for r in ranges if r}) == [  # (the marker comes in one GET)
+        "bytes=0-5242879", "bytes=10485760-15728639", "bytes=15728640-18874367", "bytes=5242880-10485759"
+    ]  # fmt: skip
+    assert ranges.count("bytes=15728640-18874367") == 2
+
+
 def test_the_session_server_has_a_volume_for_every_test_bucket(request, tmp_path):
     """SeaweedFS gives each bucket a volume and caps volumes (by default at free disk / 1 GiB): a server
     capped at 2 takes the third bucket's bucket but not its writes. The session's server, which every

@@ -98,11 +98,21 @@ def _local_temp(uri: str, path: Path):
         raise
 
 
+def _file_digest(fd: int) -> str:
+    h = hashlib.sha256()
+    at = 0
+    while block := os.pread(fd, CHUNK, at):
+        h.update(block)
+        at += len(block)
+    return h.hexdigest()
+
+
 def download_file(uri: str, dest: str | Path, expected: dict | None = None) -> tuple[int, str]:
     """Copy the file at `uri` to the local file `dest` in chunks, atomically; returns its (size,
     sha256). With `expected` ({"size", "sha256"}) a copy that differs is refused and `dest` is left as
     it was. On S3 a transient failure mid-stream (a reset connection, a store restart) starts the file
-    over from its first byte, within the retry budget of `s3._s3_call`."""
+    over from its first byte, within the retry budget of `s3._s3_call`; a file of a known size (from
+    `expected`) above MULTIPART_THRESHOLD comes down in ranged parts, each started over on its own."""
     dest = Path(dest)
     with _local_temp(str(dest), dest) as f:
 
@@ -115,7 +125,13 @@ def download_file(uri: str, dest: str | Path, expected: dict | None = None) -> t
                 h.update(chunk)
             return f.tell(), h.hexdigest()  # the size on disk: what the check below compares
 
-        if is_s3(uri):
+        if is_s3(uri) and expected is not None and expected["size"] >= s3.MULTIPART_THRESHOLD:
+            # A large file of a folder (its size known from the manifest) comes down in concurrent parts;
+            # its hash is taken from the disk once all are in.
+            f.truncate(expected["size"])
+            s3._download_parts(uri, *split_s3(uri), expected["size"], f.fileno(), CHUNK)
+            size, sha = expected["size"], _file_digest(f.fileno())
+        elif is_s3(uri):
             bucket, key = split_s3(uri)
 
             def stream() -> tuple[int, str]:

@@ -1,7 +1,7 @@
 """The S3 side of the store: one cached client configured from the AWS_* variables, the budgeted
 retry around every call, error messages that name the URI, uploads (one PUT, or above
 MULTIPART_THRESHOLD a multipart upload whose parts go up PART_CONCURRENCY at a time, aborted when it
-fails), the process's bound on transfers in flight (STREAMS), and listing and bulk deletion under a
+fails), downloads of large files in ranged parts as many at a time, the process's bound on transfers in flight (STREAMS), and listing and bulk deletion under a
 prefix.
 
 Transient S3 failures (connection refused or reset, timeouts, 5xx, throttling) are retried with
@@ -249,6 +249,34 @@ def _upload(uri: str, bucket: str, key: str, source: bytes | Path) -> None:
         except StoreError as e:
             log.warning("%s: could not abort the failed multipart upload %s: %s", uri, upload_id, e)
         raise
+
+
+def _download_parts(uri: str, bucket: str, key: str, size: int, fd: int, chunk: int) -> None:
+    """The object's bytes into the open file `fd` (`size` of them) by ranged GETs of PART_SIZE, up to
+    PART_CONCURRENCY at a time, each written at its offset as it streams (`chunk` bytes in memory at a
+    time) and retried on its own; the first failure stops further parts. The caller checks the whole."""
+
+    def fetch_part(offset: int) -> None:
+        end = min(offset + PART_SIZE, size) - 1
+
+        def attempt() -> None:
+            with _stream():
+                body = _client().get_object(Bucket=bucket, Key=key, Range=f"bytes={offset}-{end}")["Body"]
+                try:
+                    at = offset
+                    for block in body.iter_chunks(chunk):  # botocore checks the part's length at the end
+                        at += os.pwrite(fd, block, at)
+                finally:
+                    body.close()
+
+        _s3_call(uri, attempt)
+
+    pool = ThreadPoolExecutor(PART_CONCURRENCY, thread_name_prefix="s3-part")
+    try:
+        for future in [pool.submit(fetch_part, offset) for offset in range(0, size, PART_SIZE)]:
+            future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def abort_stale_uploads(uri: str, older_than_s: float | None = None) -> int:
