@@ -77,8 +77,12 @@ def test_flat_params_have_no_secrets():
 def test_every_stage_has_requests_and_unknown_stages_are_errors(tmp_path):
     from dynamicrubric.components.stages import STAGES
     from dynamicrubric.infra.config import STAGE_FACTS
+    from dynamicrubric.stages.kfp_source import ON_NODES, TRAINED_ON_NODES
 
-    assert set(STAGE_FACTS) == {f.__name__ for f in STAGES}
+    # every stage's component, and the training stages' for several nodes beside them
+    names = {f.__name__ for f in STAGES}
+    assert set(STAGE_FACTS) == {n for n in names if not n.endswith(ON_NODES)}
+    assert {n.removesuffix(ON_NODES) for n in names if n.endswith(ON_NODES)} == set(TRAINED_ON_NODES)
     cfg = load_config(preset="paper")
     assert cfg.pipeline.stage_resources("rollout").gpus == 1  # the preset's entry wins
     assert cfg.pipeline.stage_resources("candidates") == STAGE_FACTS["candidates"].resources
