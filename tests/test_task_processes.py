@@ -131,3 +131,22 @@ def test_a_stopped_server_hands_its_tasks_usage_to_this_process(tmp_path):
     starter.stop()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert after.ru_utime - before.ru_utime >= 0.95
+
+
+def test_under_a_tmpdir_too_long_for_the_fork_servers_socket_tasks_run_as_subprocesses(
+    tmp_path, monkeypatch, caplog
+):
+    """The fork server's socket lives in TMPDIR, and an AF_UNIX path holds 107 bytes: under a longer
+    TMPDIR a run failed on its first task ("AF_UNIX path too long"). It starts its tasks as subprocesses
+    instead, and says so."""
+    import tempfile
+
+    long_tmp = tmp_path / ("t" * (100 - len(str(tmp_path))))
+    long_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long_tmp))
+    command, _ = _kfp_command(tmp_path, shard=0)
+    with caplog.at_level("WARNING"):
+        task = TaskStarter().start(command, {**os.environ, "OMP_NUM_THREADS": "1"}, own_env={})
+    output = task.output.read()
+    assert task.wait()[0] == 0 and b"parent sh " in output, output[-2000:]
+    assert "too long for multiprocessing's fork server" in caplog.text

@@ -16,11 +16,13 @@ server's when torch was imported).
 from __future__ import annotations
 
 import abc
+import logging
 import multiprocessing
 import os
 import resource
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -120,13 +122,32 @@ class _Fork(TaskProcess):
         return self._process.exitcode, usage
 
 
+log = logging.getLogger(__name__)
+
+# multiprocessing's fork server listens at <TMPDIR>/pymp-XXXXXXXX/listener-XXXXXXXX, and an AF_UNIX path
+# holds at most 107 bytes: under a longer TMPDIR the server cannot start ("AF_UNIX path too long").
+_LISTENER_BYTES = len("/pymp-12345678/listener-12345678")
+_AF_UNIX_PATH_MAX = 107
+
+
+def _fork_server_fits() -> bool:
+    return len(os.fsencode(tempfile.gettempdir())) + _LISTENER_BYTES <= _AF_UNIX_PATH_MAX
+
+
 class TaskStarter:
     """Starts kfp.local's task commands: forked from the preloaded server where the command is a
     lightweight component's, else as a subprocess."""
 
     def __init__(self, preload: bool = True):
         self._context = None
-        if preload and "forkserver" in multiprocessing.get_all_start_methods():
+        if preload and not _fork_server_fits():
+            log.warning(
+                "TMPDIR %s is too long for multiprocessing's fork server (its socket path would pass the "
+                "%d bytes AF_UNIX allows): every task starts as a subprocess, a few seconds slower each",
+                tempfile.gettempdir(),
+                _AF_UNIX_PATH_MAX,
+            )
+        elif preload and "forkserver" in multiprocessing.get_all_start_methods():
             self._context = multiprocessing.get_context("forkserver")
             self._context.set_forkserver_preload(PRELOAD)
 
