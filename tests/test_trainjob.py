@@ -74,7 +74,9 @@ def test_a_two_node_stage_renders_as_a_trainjob_field_by_field():
     trainer = spec["trainer"]
     assert trainer["numNodes"] == 2 and trainer["image"] == cfg.pipeline.image
     per_node = {"nvidia.com/gpu": "8", "cpu": "64", "memory": "512Gi"}  # (12 training + 4 reward) / 2 nodes
-    assert trainer["resourcesPerNode"] == {"limits": per_node, "requests": per_node}
+    # the scratch emptyDir's size as a request, so the scheduler places the node pod on a disk that holds it
+    requests = {**per_node, "ephemeral-storage": cfg.pipeline.model_cache_size}
+    assert trainer["resourcesPerNode"] == {"limits": per_node, "requests": requests}
     cache = [{"name": "DYNRUBRIC_CACHE", "value": "/model-cache/dynamicrubric"},
              {"name": "HF_HOME", "value": "/model-cache/huggingface"}]  # fmt: skip
     assert trainer["env"][:2] == cache and [e["name"] for e in trainer["env"][2:]] == list(S3_ENV)

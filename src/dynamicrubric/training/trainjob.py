@@ -55,7 +55,8 @@ def train_job(
     result_uri: str,
 ) -> k8s.TrainerV1alpha1TrainJob:
     """The TrainJob of `job` on the stage's `num_nodes` nodes: the pipeline's image, the stage's
-    `pipeline.resources` on each node ((world_size + reward_gpus) / num_nodes GPUs), the S3 credentials
+    `pipeline.resources` on each node ((world_size + reward_gpus) / num_nodes GPUs) and the model cache's
+    size as its ephemeral storage request, the S3 credentials
     from the pipeline's secret, and the stage's timeout as its deadline. `config_uri` and `job_uri` are
     where every node reads the run's config and the job, `result_uri` where rank 0 writes its result."""
     stage = job.stage.replace("-", "_")
@@ -67,6 +68,14 @@ def train_job(
         "memory": resources.memory,
     }
     quantities = {k: k8s.IoK8sApimachineryPkgApiResourceQuantity(v) for k, v in per_node.items()}
+    # The node's scratch (the model cache: staged models, its share of each trainer checkpoint, the export)
+    # is an emptyDir on the node's disk: requested, so that the scheduler places the pod where the disk
+    # holds it, rather than the kubelet evicting it there once it fills. Not a limit: logs and the
+    # container's own layer count against one too.
+    requests = {
+        **quantities,
+        "ephemeral-storage": k8s.IoK8sApimachineryPkgApiResourceQuantity(p.model_cache_size),
+    }
     cache = {"DYNRUBRIC_CACHE": f"{CACHE_MOUNT}/dynamicrubric", "HF_HOME": f"{CACHE_MOUNT}/huggingface"}
     env = [k8s.IoK8sApiCoreV1EnvVar(name=key, value=value) for key, value in cache.items()]
     env += [
@@ -83,7 +92,7 @@ def train_job(
         command=node_command(config_uri, job_uri, result_uri),
         env=env,
         num_nodes=tcfg.num_nodes,
-        resources_per_node=k8s.IoK8sApiCoreV1ResourceRequirements(limits=quantities, requests=quantities),
+        resources_per_node=k8s.IoK8sApiCoreV1ResourceRequirements(limits=quantities, requests=requests),
     )
     spec = k8s.TrainerV1alpha1TrainJobSpec(
         runtime_ref=k8s.TrainerV1alpha1RuntimeRef(name=TORCH_RUNTIME),
