@@ -150,3 +150,34 @@ def test_under_a_tmpdir_too_long_for_the_fork_servers_socket_tasks_run_as_subpro
     output = task.output.read()
     assert task.wait()[0] == 0 and b"parent sh " in output, output[-2000:]
     assert "too long for multiprocessing's fork server" in caplog.text
+
+
+def test_tasks_ending_while_others_start_keep_their_exit_codes():
+    """A local run starts and waits for its tasks from several threads. multiprocessing's Process.start
+    polls every earlier child of the process, and with the fork server two threads polling one ended
+    child race for its exit status: the loser records 255 over the winner's 0 (CPython gh-130895), and
+    a tiny run failed on a task that had written its outputs ("exit code 255"). Six threads start and
+    wait for quick tasks side by side, as a ParallelFor's tasks are; every one must report its 0 (without
+    the fix this failed three runs in three)."""
+    import multiprocessing
+    import threading
+
+    from quick_task import quick_task
+
+    from dynamicrubric.localrun.task_processes import _Fork
+
+    context = multiprocessing.get_context("forkserver")
+    codes: list[int] = []
+
+    def starts_and_waits() -> None:
+        for _ in range(40):
+            task = _Fork(context, "", [], {}, target=quick_task)
+            task.output.read()
+            codes.append(task.wait()[0])
+
+    threads = [threading.Thread(target=starts_and_waits) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(codes) == 240 and set(codes) == {0}, sorted(set(codes))

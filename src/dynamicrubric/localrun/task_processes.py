@@ -18,11 +18,13 @@ from __future__ import annotations
 import abc
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import resource
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -83,6 +85,12 @@ class _Subprocess(TaskProcess):
         return code, Usage(usage.ru_utime, usage.ru_stime, usage.ru_maxrss)
 
 
+# multiprocessing's Process.start polls every earlier child of this process, and the fork server's poll is
+# not thread-safe: two threads reading one ended child's status race, and the loser records 255 over the
+# winner's exit code (CPython gh-130895). The run's threads start and reap their tasks in turn.
+_REAPING = threading.Lock()
+
+
 class _Fork(TaskProcess):
     def __init__(
         self,
@@ -102,7 +110,8 @@ class _Fork(TaskProcess):
             args=(*target_args, component_code, executor_args, env, output_w, usage_w),
             daemon=False,
         )
-        self._process.start()
+        with _REAPING:
+            self._process.start()
         # The child holds its own copies now: closing ours lets `output` end when the task's processes do.
         output_w.close()
         usage_w.close()
@@ -111,7 +120,9 @@ class _Fork(TaskProcess):
         self.output = os.fdopen(output_r.fileno(), "rb", closefd=False)
 
     def wait(self) -> tuple[int, Usage]:
-        self._process.join()
+        multiprocessing.connection.wait([self._process.sentinel])  # ended: the join below does not block
+        with _REAPING:
+            self._process.join()
         try:
             usage = self._usage.recv() if self._usage.poll() else Usage()
         except EOFError:  # a killed task (an OOM kill, say) sent none: poll() saw the pipe's end
