@@ -127,7 +127,8 @@ def test_index_covers_every_file_kfp_wrote(tiny_run):
     versions = {o.parent / f".{o.name}.v-": o for o in outputs}
     # A model output's URI as its task's output parameter (`<name>_uri`, read by a stage on several
     # nodes): a value KFP keeps in a file of the task's folder, not an artifact.
-    task_folders = {Path(t["folder"]).resolve() for t in tiny_run["index"]["tasks"] if t["folder"]}
+    # (the index gives a task's folder relative to the run's folder)
+    task_folders = {(folder / t["folder"]).resolve() for t in tiny_run["index"]["tasks"] if t["folder"]}
     for path in folder.rglob("*"):
         if path.name.endswith("_uri") and path.parent.resolve() in task_folders:
             continue
