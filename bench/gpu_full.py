@@ -108,8 +108,8 @@ def plan(params: int, s: dict[str, Any]) -> dict[str, Any]:
         "not_in_plan": {
             "reference_bf16_gib": reference,
             "why": "with beta > 0 and no LoRA TRL keeps a bf16 reference copy; check_gpu_memory_plan has no "
-            "term for it (TRL shards it at its root only, so on several GPUs each gathers it whole for its "
-            "forward; at world size 1 this step cannot tell the two apart)",
+            "term for it (its shards at rest: 2 B/param / world_size; grpo.reference_sharded_by_layer shards "
+            "it layer by layer, so its forward gathers one layer at a time; at world size 1 it is whole)",
         },
     }
 

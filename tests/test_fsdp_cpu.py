@@ -75,6 +75,10 @@ def test_fsdp2_on_two_cpu_processes_trains_checkpoints_resumes_and_exports(
         assert logged[rank] == pytest.approx(expected[rank], rel=1e-9), (rank, logged, expected)
         # placed by FSDP, not by a transformers device map (on CUDA "auto" would spread it over every GPU)
         assert f"rank {rank}: reference model device map None" in first, first[-3000:]
+        # sharded layer by layer as the policy is, plus TRL's root unit: its forward gathers one layer at a
+        # time, not the whole model (TRL alone: 1 unit)
+        units = start.config.num_hidden_layers + 1
+        assert f"rank {rank}: reference model in {units} FSDP units" in first, first[-3000:]
 
     # The step-1 trainer checkpoint is FSDP's sharded state (DCP files of both ranks) in the store
     work = f"{job.out_uri}.work/checkpoint-00001"

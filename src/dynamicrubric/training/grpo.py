@@ -27,12 +27,13 @@ process.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -159,19 +160,20 @@ def _grpo(
     constrain_items = None if vllm else setting.constrain_items  # vLLM: the grammar is in `args`
     timer = TimedGenerate(model.generate, tokenizer, constrain_items, model.config.vocab_size)
     model.generate = timer
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=reward_funcs,
-        args=args,
-        train_dataset=Dataset.from_dict(dataset),
-        processing_class=tokenizer,
-        peft_config=lora_config(tcfg) if tcfg.lora_rank else None,
-        callbacks=[
-            device_check_callback(stage),
-            checkpoint_callback(work_uri, origin),
-            step_split_callback(timer),
-        ],
-    )
+    with reference_sharded_by_layer():
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=Dataset.from_dict(dataset),
+            processing_class=tokenizer,
+            peft_config=lora_config(tcfg) if tcfg.lora_rank else None,
+            callbacks=[
+                device_check_callback(stage),
+                checkpoint_callback(work_uri, origin),
+                step_split_callback(timer),
+            ],
+        )
     if vllm:  # time/generation_s covers vLLM's generation as it does transformers'
         trainer.vllm_generation.generate = timer.timed(trainer.vllm_generation.generate)
     reference_from_rank0(trainer, model)
@@ -198,6 +200,55 @@ def _grpo(
         shutil.rmtree(scratch, ignore_errors=True)
     cpu_waits.barrier()  # rank 0 exported the model
     return final
+
+
+@contextlib.contextmanager
+def reference_sharded_by_layer() -> Iterator[None]:
+    """While GRPOTrainer is built: its reference model is sharded layer by layer under FSDP2, as
+    accelerate shards the policy, not as one unit.
+
+    TRL 1.16 prepares the reference with a single `fully_shard` at its root (trl models/utils.py
+    `prepare_fsdp`), so its forward all-gathers the whole model on every GPU at once: 15.3 GiB for
+    Qwen3-8B in bf16 whatever the world size, on top of the training state and the colocated vLLM. Each
+    decoder layer first gets its own `fully_shard` (accelerate's wrap policy and arguments, its
+    fsdp2_prepare_model loop), so the forward gathers one layer at a time; TRL's root call then takes the
+    rest (embeddings, final norm, LM head). The same shards per rank: fully_shard cuts every parameter on
+    dim 0 whatever the unit."""
+    from trl.trainer import grpo_trainer
+
+    bare = grpo_trainer.prepare_fsdp
+
+    def by_layer(model, accelerator):
+        if accelerator.is_fsdp2:
+            _shard_layers(model, accelerator)
+        return bare(model, accelerator)
+
+    grpo_trainer.prepare_fsdp = by_layer  # the module's own name: TRL calls it for the reference only
+    try:
+        yield
+    finally:
+        grpo_trainer.prepare_fsdp = bare
+
+
+def _shard_layers(model, accelerator) -> None:
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy, get_module_children_bottom_up
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    plugin = accelerator.state.fsdp_plugin
+    plugin.set_auto_wrap_policy(model)  # the decoder layer classes (fsdp.yaml: TRANSFORMER_BASED_WRAP)
+    wrap = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    if wrap is None:
+        return
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    kwargs = {
+        "reshard_after_forward": plugin.reshard_after_forward,
+        "offload_policy": plugin.cpu_offload,
+        "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+        "mesh": mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None,
+    }
+    for module in get_module_children_bottom_up(model)[:-1]:  # the root is TRL's
+        if wrap(module) and not isinstance(module, FSDPModule):
+            fully_shard(module, **kwargs)
 
 
 def reference_from_rank0(trainer, model) -> None:
@@ -257,6 +308,10 @@ def log_reference(trainer) -> None:
     # node), outside the memory plan; FSDP or accelerate must place it instead.
     device_map = getattr(trainer.ref_model, "hf_device_map", None)
     log.info("rank %d: reference model device map %s", trainer.accelerator.process_index, device_map)
+    from torch.distributed.fsdp import FSDPModule
+
+    units = sum(isinstance(m, FSDPModule) for m in trainer.ref_model.modules())
+    log.info("rank %d: reference model in %d FSDP units", trainer.accelerator.process_index, units)
 
 
 def group_timeout(device: torch.device) -> timedelta | None:
