@@ -50,6 +50,23 @@ def write_result(name: str, result: dict[str, Any]) -> Path:
     return path
 
 
+def one_line(e: BaseException) -> str:
+    """An exception as a GPU step's problem: its type and the first line of its message."""
+    text = str(e)
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def write_verdict(name: str, out: Path, result: dict[str, Any], problems: list[str]) -> bool:
+    """A GPU step's end: its verdict into `result`, `result` as JSON at `out` (what was measured stays, a
+    failure too), and on problems the step's one FAIL line. True when there were none."""
+    result["ok"], result["problems"] = not problems, problems
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    if problems:
+        print(f"{name}: FAIL: {'; '.join(problems)} (see {out})")
+    return not problems
+
+
 def print_table(rows: list[tuple[str, Any]]) -> None:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from bench import RESULTS, machine_info
+from bench import RESULTS, machine_info, one_line, write_verdict
 from bench.gpu_launch import launch, training_job
 from bench.gpu_step import GIB, TINY, TOLERANCE, build_model, build_tokenizer, param_count
 
@@ -240,12 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             problems = run(work, a.tiny, result)
         except Exception as e:  # LaunchFailed among them: said in one line; the JSON keeps what was measured
-            problems = [f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"]
-    result["ok"], result["problems"] = not problems, problems
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=2) + "\n")
-    if problems:
-        print(f"gpu_full: FAIL: {'; '.join(problems)} (see {a.out})")
+            problems = [one_line(e)]
+    if not write_verdict("gpu_full", a.out, result, problems):
         return 1
     m, e = result["measured"], result["expected"]
     memory = (

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from bench import RESULTS, machine_info
+from bench import RESULTS, machine_info, one_line, write_verdict
 
 KL_TOLERANCE = 1e-3  # |KL| at step 1; a reference of zeros gives a KL of order 10 or more
 RUN_TIMEOUT_S = 120  # each of the two launches (gpu_smoke.sh bounds both together)
@@ -215,12 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             problems = run(work, result)
         except Exception as e:  # said in one line; the JSON keeps what was measured
-            problems = [f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"]
-    result["ok"], result["problems"] = not problems, problems
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=2) + "\n")
-    if problems:
-        print(f"gpu_launch: FAIL: {'; '.join(problems)} (see {a.out})")
+            problems = [one_line(e)]
+    if not write_verdict("gpu_launch", a.out, result, problems):
         return 1
     print(
         f"gpu_launch: OK FSDP2 full finetune on 1 {result['device']} rank via accelerate launch: reference = policy "

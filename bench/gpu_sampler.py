@@ -18,7 +18,6 @@ line, `gpu_sampler: OK ...` (tokens/s of both and their ratio; no bound: the rat
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 
 import torch
 
-from bench import RESULTS, machine_info
+from bench import RESULTS, machine_info, one_line, write_verdict
 from bench.bench_rollout import run, run_model_generate
 from bench.gpu_step import QWEN3_8B, TINY, build_model, build_tokenizer
 
@@ -86,12 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         measure(device, a.tiny, result)
         problems = [f"{k} is 0" for k in ("engine_tokens", "model_generate_tokens") if not result[k]]
     except Exception as e:  # said in one line; the JSON keeps what was measured
-        problems = [f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"]
-    result["ok"], result["problems"] = not problems, problems
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=2) + "\n")
-    if problems:
-        print(f"gpu_sampler: FAIL: {'; '.join(problems)} (see {a.out})")
+        problems = [one_line(e)]
+    if not write_verdict("gpu_sampler", a.out, result, problems):
         return 1
     s = result["settings"]
     print(

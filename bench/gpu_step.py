@@ -15,7 +15,6 @@ peaked above TOLERANCE x the plan's expectation.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -25,7 +24,7 @@ from typing import Any
 
 import torch
 
-from bench import RESULTS, machine_info
+from bench import RESULTS, machine_info, one_line, write_verdict
 
 GIB = 1024**3
 TOLERANCE = 1.25  # a phase may exceed the plan's expectation by 25% (allocator rounding, transients)
@@ -371,12 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         run_step(device, a.tiny, result)
         problems = verdict(result)
     except Exception as e:  # the step's failure, said in one line; the JSON keeps what was measured
-        problems = [f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"]
-    result["ok"], result["problems"] = not problems, problems
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=2) + "\n")
-    if problems:
-        print(f"gpu_step: FAIL: {'; '.join(problems)} (see {a.out})")
+        problems = [one_line(e)]
+    if not write_verdict("gpu_step", a.out, result, problems):
         return 1
     for name, row in result["phases"].items():
         expected = result["expected"][name]["expected_gib"]
