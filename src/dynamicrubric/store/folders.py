@@ -32,7 +32,6 @@ import contextlib
 import ctypes
 import errno
 import glob
-import hashlib
 import json
 import logging
 import os
@@ -48,6 +47,7 @@ from typing import Any
 import dynamicrubric.store.s3 as s3
 from dynamicrubric.store.files import (
     _dir_mode,
+    _file_digest,
     _file_mode,
     _read_if_exists,
     delete,
@@ -68,11 +68,8 @@ FLAT, VERSIONED = "flat", "versioned"  # a manifest's layouts: files beside the 
 
 
 def _digest(path: Path) -> tuple[int, str]:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return path.stat().st_size, h.hexdigest()
+        return os.fstat(f.fileno()).st_size, _file_digest(f.fileno())
 
 
 def _manifest_bytes(token: str, layout: str, entries: dict[str, dict]) -> bytes:

@@ -1,8 +1,8 @@
 """The S3 side of the store: one cached client configured from the AWS_* variables, the budgeted
 retry around every call, error messages that name the URI, uploads (one PUT, or above
 MULTIPART_THRESHOLD a multipart upload whose parts go up PART_CONCURRENCY at a time, aborted when it
-fails), downloads of large files in ranged parts as many at a time, the process's bound on transfers in flight (STREAMS), and listing and bulk deletion under a
-prefix.
+fails), downloads of large files in ranged parts as many at a time, the process's bound on transfers
+in flight (STREAMS), and listing and bulk deletion under a prefix.
 
 Transient S3 failures (connection refused or reset, timeouts, 5xx, throttling) are retried with
 exponential backoff for up to `DYNRUBRIC_S3_RETRY_BUDGET_S` seconds (default 120) per operation, so a
