@@ -326,7 +326,11 @@ def _ledger_is_what_the_proxy_did(
     honest, hits = did.get("ok", 0), did.get(fault, 0)
     assert sum(ledger[o] for o in OUTCOMES) == requests, ledger  # one outcome each
     # Each try the proxy saw was retried or ended its request; the rest of the requests were never sent.
-    assert honest + hits == ledger["retries"] + requests - unsent, (did, ledger, unsent)
+    # A try the budget cut can be missing from the proxy's count (`unseen`): the client hung up before the
+    # proxy's thread read it, or that thread records it after this reads the count (CI saw one under
+    # load). Each is one of the timeouts, and there is none unless the budget ran out.
+    unseen = ledger["retries"] + requests - unsent - (honest + hits)
+    assert 0 <= unseen <= (ledger["timeout"] if cut_possible else 0), (did, ledger, unsent)
     assert {o for o in OUTCOMES if ledger[o]} <= {"ok", outcome, "timeout"}, ledger
     assert ledger["lost_prompts"] == sum(ledger[o] for o in OUTCOMES if o != "ok")
     if outcome == "ok":
@@ -334,15 +338,15 @@ def _ledger_is_what_the_proxy_did(
         assert ledger["retries"] == 0
     elif outcome == "timeout":  # a stalled try ends as a timeout, cut by the budget or not
         cut_ok, cut_fault = honest - ledger["ok"], 0
-        assert hits == ledger["retries"] + ledger["timeout"] - unsent - cut_ok, (did, ledger, unsent)
+        assert hits == ledger["retries"] + ledger["timeout"] - unsent - cut_ok - unseen, (did, ledger, unsent)
     else:
         cut_ok = honest - ledger["ok"]
         cut_fault = hits - (ledger["retries"] if transient else 0) - ledger[outcome]
-        assert ledger["timeout"] == unsent + cut_ok + cut_fault, (did, ledger, unsent)
+        assert ledger["timeout"] == unsent + cut_ok + cut_fault + unseen, (did, ledger, unsent)
         if not transient:
             assert ledger["retries"] == 0
     assert cut_ok >= 0 and cut_fault >= 0, (did, ledger)
-    assert cut_ok + cut_fault <= (V_SERVING["concurrency"] if cut_possible else 0), (did, ledger)
+    assert cut_ok + cut_fault + unseen <= (V_SERVING["concurrency"] if cut_possible else 0), (did, ledger)
     if not cut_possible:
         assert unsent == 0
     return cut_ok, cut_fault
