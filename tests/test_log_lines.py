@@ -48,6 +48,11 @@ def test_one_line_per_task(tiny_run):
         "INFO",
     )
     assert not [line for line in other if any(n in line for n in noise)]
+    # off a terminal (this run's stderr is a pipe): no library's bars (transformers' "Loading weights",
+    # "Writing model shards"), no cursor codes of stacked bars, no library's INFO line
+    output = tiny_run["stdout"] + tiny_run["stderr"]
+    for unwanted in ("Loading weights", "Writing model shards", "\x1b[", "matplotlib"):
+        assert unwanted not in output, [line for line in lines if unwanted in line][:3]
     # every progress line names its task
     assert all(re.match(r"^(setup|r\d+) ", line.strip()) for line in progress), progress[:5]
 
@@ -152,3 +157,41 @@ def test_a_task_process_exits_without_the_last_full_collection():
 
     assert frozen_at_exit("") == "True"
     assert frozen_at_exit("triton") == "False"
+
+
+LOG_PROBE = """
+import logging, sys
+from dynamicrubric.infra import logs
+logs.setup(verbose=sys.argv[1] == "verbose")
+logging.getLogger("matplotlib.font_manager").info("generated new fontManager")
+logging.getLogger("matplotlib").warning("a library's warning")
+logging.getLogger("dynamicrubric.probe").info("the project's line")
+from transformers.utils.logging import tqdm
+for _ in tqdm(range(3), desc="Loading weights"):
+    pass
+"""
+
+
+def _probe(mode: str, **env: str) -> str:
+    import os
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "DYNRUBRIC_TERMINAL"))}
+    proc = subprocess.run(
+        [sys.executable, "-c", LOG_PROBE, mode],
+        capture_output=True,
+        text=True,
+        env={**environ, **env},
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stderr
+
+
+def test_off_a_terminal_libraries_print_warnings_only_and_no_bars():
+    quiet = _probe("default")
+    assert "the project's line" in quiet and "a library's warning" in quiet
+    assert "generated new fontManager" not in quiet
+    assert "Loading weights" not in quiet  # transformers' bar: stderr is a pipe here
+    # --verbose shows every library's lines; a run whose user watches a terminal keeps the bars
+    assert "generated new fontManager" in _probe("verbose")
+    assert "Loading weights" in _probe("default", DYNRUBRIC_TERMINAL="1")

@@ -19,10 +19,24 @@ FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DATEFMT = "%H:%M:%S"
 SUMMARY_MARK = "::dynrubric-summary::"
 SUMMARY_ENV = "DYNRUBRIC_TASK_SUMMARY"  # set by `dynrubric run` for its tasks: only they print the line
+# Set by `dynrubric run` for its tasks when its own stderr is a terminal: a task's stderr is always a
+# pipe to the run, which redraws the tasks' bars in place only for a person watching.
+TERMINAL_ENV = "DYNRUBRIC_TERMINAL"
+# The loggers whose INFO lines a user reads: the library's, a module run as a script, the benchmarks.
+PROJECT_LOGGERS = ("dynamicrubric", "__main__", "bench")
+
+
+class LibraryInfoFilter(logging.Filter):
+    """Drops other libraries' records below WARNING (matplotlib's "generated new fontManager", ...):
+    what a user reads at the default level is the project's own lines and everyone's warnings."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or record.name.split(".")[0] in PROJECT_LOGGERS
 
 
 def setup(verbose: bool = False) -> None:
-    """Configure the root logger: our format on its handlers, and the level."""
+    """Configure the root logger: our format on its handlers, and the level; off a terminal, no
+    third-party progress bars (`quiet_progress_off_terminal`). `verbose` shows every library's lines."""
     level = logging.DEBUG if verbose else logging.INFO
     root = logging.getLogger()
     if not root.handlers:
@@ -31,6 +45,36 @@ def setup(verbose: bool = False) -> None:
         for handler in root.handlers:
             handler.setFormatter(logging.Formatter(FORMAT, DATEFMT))
     root.setLevel(level)
+    for handler in root.handlers:  # once per handler, however often setup runs in one process
+        for old in [f for f in handler.filters if isinstance(f, LibraryInfoFilter)]:
+            handler.removeFilter(old)
+        if not verbose:
+            handler.addFilter(LibraryInfoFilter())
+    quiet_progress_off_terminal()
+
+
+def quiet_progress_off_terminal() -> None:
+    """Turn off Hugging Face's progress bars (transformers' "Loading weights", "Writing model shards",
+    the hub's and datasets') unless a person watches: in a log file, CI or `kubectl logs` each redraw is
+    a line of its own, with cursor codes. The project's own bars (engines.base.progress_bar) stay: they
+    refresh every few seconds off a terminal and carry the stage's rate. Libraries imported later read
+    the environment; those already imported (a task forked from the preloading server) are told now."""
+    if sys.stderr.isatty() or os.environ.get(TERMINAL_ENV) == "1":
+        return
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+    if "datasets" in sys.modules:
+        import datasets
+
+        datasets.disable_progress_bars()
 
 
 def skip_the_exit_collection() -> None:

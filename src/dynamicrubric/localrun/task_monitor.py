@@ -54,6 +54,7 @@ def task_threads(
 
 # tqdm's bar ("desc:  40%|####      | 4/10 [00:02<00:03, 2.00batch/s]") and its no-total form.
 PROGRESS_LINE = re.compile(r"\d+%\|.*\|\s*\d+/\d+|\|\s*\d+/\d+ \[|\d+(?:\.\d+)?\w*/s\]")
+CURSOR_CODES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # ANSI control sequences (tqdm's cursor moves)
 FAILED_TAIL_LINES = 40
 # kfp.local warns once per task about settings that only a cluster uses (images, display names).
 KFP_NOISE = (r".*non-Python base image.*", r".*have no effect in the current local runner.*")
@@ -249,6 +250,8 @@ class TaskMonitor:
         env[tracking_runs.TASK_STARTED_ENV] = repr(time.time())  # the stage run starts with the task's time
         numbers: dict = {}
         tty = self.err.isatty()
+        if tty:  # a person watches: the task keeps the libraries' bars too (logs.quiet_progress_off_terminal)
+            env[logs.TERMINAL_ENV] = "1"
         last_bar = 0.0
         task = self.starter.start(full_command, env, own_env=env_vars or {})
         with open(log_path, "wb") as log_file:
@@ -270,7 +273,8 @@ class TaskMonitor:
                             self._write(self.err, f"\r\x1b[2K{label}: {text.strip()}")
                             last_bar = now
                         elif not tty and now - last_bar > 30:  # a log file: one bar line in 30 s
-                            self._write(self.err, f"{label}: {text.strip()}\n")
+                            # without the cursor moves of stacked bars (\x1b[A): a file shows them raw
+                            self._write(self.err, f"{label}: {CURSOR_CODES.sub('', text).strip()}\n")
                             last_bar = now
             log_file.write(pending)
             # with the processes it waited for (a trainer's `accelerate launch` children): how many
