@@ -16,9 +16,9 @@ import pandas as pd
 import pytest
 import sklearn
 
-from dynamicrubric.evaluation import benchmark_scores
 from dynamicrubric.evaluation.benchmark_scores import (
     AlpacaEvalError,
+    alpaca_eval_metrics,
     alpaca_eval_scores,
     find_df_gamed,
     length_controlled_win_rate,
@@ -34,7 +34,7 @@ UPSTREAM_MODELS = ["claude-2.1", "gpt-3.5-turbo-1106", "gemma-7b-it", "alpaca-7b
 def glm(monkeypatch, tmp_path):
     """alpaca_eval's metrics module, with its HF cache pointed at an empty folder: no test reads a
     df_gamed.csv it did not pass in, whatever this machine's cache holds."""
-    module = benchmark_scores._alpaca_eval_metrics()
+    module = alpaca_eval_metrics()
     monkeypatch.setattr(module.constants, "DEFAULT_CACHE_DIR", str(tmp_path / "hf-cache"))
     return module
 

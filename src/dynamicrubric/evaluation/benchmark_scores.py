@@ -219,7 +219,7 @@ def alpaca_eval_scores(
     frame = _alpaca_eval_frame(annotations)
     judged = frame[frame["preference"].notna()]
     failed = len(frame) - len(judged)
-    glm = _alpaca_eval_metrics()
+    glm = alpaca_eval_metrics()
     if len(judged) < min_n:
         raw = glm.get_winrate(judged)
         note = f"too few prompts: n={len(judged)}, the LC needs at least {min_n}"
@@ -253,7 +253,7 @@ def find_df_gamed(path: str | Path | None = None, download: bool = False) -> tup
         return str(path), ""
     from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
-    constants = _alpaca_eval_metrics().constants  # its cache folder, None for the HF default
+    constants = alpaca_eval_metrics().constants  # its cache folder, None for the HF default
     cached = try_to_load_from_cache(
         GAMED_REPO, GAMED_FILE, cache_dir=constants.DEFAULT_CACHE_DIR, repo_type="dataset"
     )
@@ -387,8 +387,9 @@ def _scores(
     )
 
 
-def _alpaca_eval_metrics() -> types.ModuleType:
-    """alpaca_eval.metrics.glm_winrate (which also holds get_winrate and alpaca_eval's constants).
+def alpaca_eval_metrics() -> types.ModuleType:
+    """alpaca_eval.metrics.glm_winrate (which also holds get_winrate and alpaca_eval's constants), imported
+    the way this module imports it.
 
     alpaca_eval 0.6.6's utils.py imports pkg_resources at its top (for parse_version and get_distribution,
     used by functions the metrics never call), and the setuptools of the CPU image and `make setup` (84.2.1)
