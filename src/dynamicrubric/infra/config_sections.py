@@ -413,6 +413,13 @@ class PipelineConfig(Section):
     # (DYNRUBRIC_CACHE), the hub cache (HF_HOME) and a training task's local trainer checkpoints and
     # export (config.disk_plan sizes it; a pod that writes more is evicted).
     model_cache_size: str = "64Gi"
+    # How long a TrainJob's node pod (a stage with num_nodes > 1) may stay unscheduled (its PodScheduled
+    # condition False: no node has the GPUs, memory or ephemeral storage it requests) before the task
+    # deletes the TrainJob and fails with the scheduler's reason. 30 min: a cluster autoscaler brings up a
+    # GPU node in 5-15 min, and a node pod that is placed waits at most train_*.rendezvous_timeout_s
+    # (3600 s) for the others, so a half-placed TrainJob fails with the scheduler's reason, not torch's
+    # rendezvous timeout. 0: wait as long as the stage's timeout_s.
+    schedule_timeout_s: int = Field(1800, ge=0)
     resources: dict[str, StageResources] = {}
 
     @field_validator("shm_size", "model_cache_size")

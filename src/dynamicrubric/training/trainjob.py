@@ -155,13 +155,14 @@ def trainjob_name(job: TrainingJob) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class NodeFiles:
-    """What the task and the nodes share in the store: the config, the job the nodes run (its outputs
-    under the work prefix), and rank 0's result."""
+    """What the task and the nodes share in the store, all under `work_uri` (`<out>.work/trainjob`): the
+    config, the job the nodes run (its outputs there too), and rank 0's result."""
 
     config_uri: str
     job_uri: str
     result_uri: str
     job: TrainingJob
+    work_uri: str
 
     @classmethod
     def of(cls, cfg: Config, job: TrainingJob) -> NodeFiles:
@@ -179,6 +180,7 @@ class NodeFiles:
             store.join(work, "job.json"),
             store.join(work, "result.json"),
             dataclasses.replace(job, **outputs),
+            work,
         )
         if not store.is_s3(work):  # a local pipeline root: the nodes would write where the task never looks
             raise _unreadable(job.stage, "job.out_uri", job.out_uri)
