@@ -107,6 +107,39 @@ def test_a_two_node_stage_renders_as_a_trainjob_field_by_field():
     assert k8s.TrainerV1alpha1TrainJob.from_dict(d).to_dict() == d
 
 
+def test_the_network_settings_of_the_config_reach_every_node_pod():
+    """pipeline.node_network: NCCL's variables on the node container, the RDMA device plugin's resource
+    per node, a Multus network annotation and IPC_LOCK (RDMA registers memory), where Trainer lets a
+    TrainJob set each: trainer.env, resourcesPerNode, the pod template patch's annotations and the node
+    container patch's securityContext. Variables the TrainJob sets itself are refused."""
+    network = {
+        "env": {"NCCL_IB_HCA": "=mlx5_0,mlx5_1", "NCCL_SOCKET_IFNAME": "=eth0"},
+        "annotations": {"k8s.v1.cni.cncf.io/networks": "ib-a,ib-b"},
+        "resources": {"rdma/rdma_shared_device_a": "1"},
+        "ipc_lock": True,
+    }
+    cfg = load_config(
+        preset="paper",
+        overrides={**TWO_NODES, "pipeline": {**TWO_NODES["pipeline"], "node_network": network}},
+    )
+    d = train_job(cfg, _job(), name="n", namespace="team-a", config_uri="s3://b/c", job_uri="s3://b/j",
+                  result_uri="s3://b/r").to_dict()  # fmt: skip
+    trainer = d["spec"]["trainer"]
+    assert trainer["env"][-2:] == [{"name": "NCCL_IB_HCA", "value": "=mlx5_0,mlx5_1"},
+                                   {"name": "NCCL_SOCKET_IFNAME", "value": "=eth0"}]  # fmt: skip
+    for kind in ("limits", "requests"):
+        assert trainer["resourcesPerNode"][kind]["rdma/rdma_shared_device_a"] == "1"
+    (patch,) = d["spec"]["runtimePatches"]
+    (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    pod = node["template"]["spec"]["template"]
+    assert pod["metadata"]["annotations"] == {"k8s.v1.cni.cncf.io/networks": "ib-a,ib-b"}
+    (container,) = pod["spec"]["containers"]
+    assert container["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    assert k8s.TrainerV1alpha1TrainJob.from_dict(d).to_dict() == d
+    with pytest.raises(Exception, match="PET_NODE_RANK is set by the TrainJob itself"):
+        load_config(preset="paper", overrides={"pipeline": {"node_network": {"env": {"PET_NODE_RANK": "1"}}}})
+
+
 def test_the_compiled_two_node_package_submits_from_a_task_without_gpus(tmp_path):
     """In the compiled paper package the two training tasks request no GPU (they submit and follow);
     the other GPU tasks keep theirs. They take no checkpoint as an input artifact, which KFP's launcher
