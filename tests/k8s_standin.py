@@ -9,7 +9,9 @@ and model cache: nothing shared but the store), with the environment the torch r
 (PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR/PORT on loopback) and the container's
 env, secret references resolved from `secrets`. Like JobSet's default failure policy, a node that
 exits non-zero fails the TrainJob and the other nodes are killed; all nodes exiting 0 complete it; the
-active deadline is enforced. Deleting a TrainJob kills its nodes.
+active deadline is enforced. Deleting a TrainJob kills its nodes. While `unschedulable` holds a message,
+the node pods of a TrainJob created then stay Pending and run nothing, with the condition the scheduler
+gives a pod it cannot place (type PodScheduled, status "False", reason Unschedulable, that message).
 
 A node sees only what its pod would. Every path it is handed (its command line, and the fields of the
 job and the config its command names in the store) must be an s3:// URI, lie in its own pod folder or in
@@ -73,10 +75,11 @@ GO_TRUE = (
 class Node:
     pod: str
     index: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen | None  # None: held Pending by the scheduler, nothing runs
     log: Path
     created: str
     phase: str = "Running"
+    conditions: list[dict] = field(default_factory=list)  # the pod's status.conditions
     cgroup: Path | None = None  # its memory cgroup, removed once it has ended
     memory_limit: int | None = None  # bytes, where a cgroup enforces it
 
@@ -208,6 +211,9 @@ class KubernetesStandIn:
         self.secrets = secrets
         self.base_env = base_env  # what the image gives every process (PATH and the like)
         self.node_env = dict(node_env or {})  # what a pod template patch would add to the nodes
+        # The scheduler's message for node pods it cannot place, e.g. "0/4 nodes are available: 4 Insufficient
+        # ephemeral-storage."; None: every node pod is placed and runs.
+        self.unschedulable: str | None = None
         self.jobs: dict[tuple[str, str], Job] = {}
         self.requests: list[tuple[str, str]] = []
         self.unhandled: list[tuple[str, str]] = []
@@ -257,7 +263,7 @@ class KubernetesStandIn:
     def kill_node(self, name: str, index: int, namespace: str = "team-a") -> None:
         """A node lost (its process killed), as when a GPU node goes away."""
         job = self.job(name, namespace)
-        assert job is not None, name
+        assert job is not None and job.nodes[index].proc is not None, name
         _kill_tree(job.nodes[index].proc.pid)
 
     def wait_for_log(self, name: str, text: str, timeout: float = 600, namespace: str = "team-a") -> None:
@@ -279,6 +285,11 @@ class KubernetesStandIn:
         for index in range(nodes):
             pod = f"{name}-node-0-{index}-{uuid.uuid4().hex[:5]}"
             home = self.scratch / pod
+            if self.unschedulable is not None:  # as the scheduler reports a pod it cannot place
+                held = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                        "message": self.unschedulable, "lastProbeTime": None, "lastTransitionTime": _now()}  # fmt: skip
+                job.nodes.append(Node(pod, index, None, home / "node.log", _now(), "Pending", [held]))
+                continue
             (home / "tmp").mkdir(parents=True)
             env = {**self.base_env, "HOME": str(home), "TMPDIR": str(home / "tmp"),
                    "DYNRUBRIC_CACHE": str(home / "cache")}  # fmt: skip
@@ -332,7 +343,7 @@ class KubernetesStandIn:
                     if job.conditions and job.conditions[-1]["type"] in ("Complete", "Failed"):
                         continue
                     for node in job.nodes:
-                        code = node.proc.poll()
+                        code = node.proc.poll() if node.proc else None
                         if code is not None and node.phase == "Running":
                             node.phase = "Succeeded" if code == 0 else "Failed"
                             _remove_cgroup(node)
@@ -360,7 +371,7 @@ class KubernetesStandIn:
     @staticmethod
     def _kill(job: Job) -> None:
         for node in job.nodes:
-            if node.proc.poll() is None:
+            if node.proc and node.proc.poll() is None:
                 _kill_tree(node.proc.pid)
                 node.proc.wait()
                 node.phase = "Failed"
@@ -409,7 +420,7 @@ class KubernetesStandIn:
                             "metadata": {"name": node.pod, "namespace": ns, "labels": labels,
                                          "creationTimestamp": node.created},
                             "spec": {"containers": [{"name": "node", "image": job.body["spec"]["trainer"].get("image")}]},
-                            "status": {"phase": node.phase},
+                            "status": {"phase": node.phase, **({"conditions": node.conditions} if node.conditions else {})},
                         })  # fmt: skip
         return {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items}
 
@@ -476,6 +487,11 @@ class KubernetesStandIn:
                     node = standin._node(pods[1], pods[2])
                     if node is None:
                         return self._reply(404, _status(404, "NotFound", f'pods "{pods[2]}" not found'))
+                    if node.proc is None:  # the API's answer for a container that has not started
+                        message = (
+                            f'container "node" in pod "{pods[2]}" is waiting to start: ContainerCreating'
+                        )
+                        return self._reply(400, _status(400, "BadRequest", message))
                     self._stream_log(node, parse_qs(url.query).get("follow", ["false"])[0] in GO_TRUE)
                 else:
                     standin.unhandled.append((method, url.path))

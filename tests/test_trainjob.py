@@ -107,6 +107,39 @@ def test_a_two_node_stage_renders_as_a_trainjob_field_by_field():
     assert k8s.TrainerV1alpha1TrainJob.from_dict(d).to_dict() == d
 
 
+def test_the_network_settings_of_the_config_reach_every_node_pod():
+    """pipeline.node_network: NCCL's variables on the node container, the RDMA device plugin's resource
+    per node, a Multus network annotation and IPC_LOCK (RDMA registers memory), where Trainer lets a
+    TrainJob set each: trainer.env, resourcesPerNode, the pod template patch's annotations and the node
+    container patch's securityContext. Variables the TrainJob sets itself are refused."""
+    network = {
+        "env": {"NCCL_IB_HCA": "=mlx5_0,mlx5_1", "NCCL_SOCKET_IFNAME": "=eth0"},
+        "annotations": {"k8s.v1.cni.cncf.io/networks": "ib-a,ib-b"},
+        "resources": {"rdma/rdma_shared_device_a": "1"},
+        "ipc_lock": True,
+    }
+    cfg = load_config(
+        preset="paper",
+        overrides={**TWO_NODES, "pipeline": {**TWO_NODES["pipeline"], "node_network": network}},
+    )
+    d = train_job(cfg, _job(), name="n", namespace="team-a", config_uri="s3://b/c", job_uri="s3://b/j",
+                  result_uri="s3://b/r").to_dict()  # fmt: skip
+    trainer = d["spec"]["trainer"]
+    assert trainer["env"][-2:] == [{"name": "NCCL_IB_HCA", "value": "=mlx5_0,mlx5_1"},
+                                   {"name": "NCCL_SOCKET_IFNAME", "value": "=eth0"}]  # fmt: skip
+    for kind in ("limits", "requests"):
+        assert trainer["resourcesPerNode"][kind]["rdma/rdma_shared_device_a"] == "1"
+    (patch,) = d["spec"]["runtimePatches"]
+    (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    pod = node["template"]["spec"]["template"]
+    assert pod["metadata"]["annotations"] == {"k8s.v1.cni.cncf.io/networks": "ib-a,ib-b"}
+    (container,) = pod["spec"]["containers"]
+    assert container["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    assert k8s.TrainerV1alpha1TrainJob.from_dict(d).to_dict() == d
+    with pytest.raises(Exception, match="PET_NODE_RANK is set by the TrainJob itself"):
+        load_config(preset="paper", overrides={"pipeline": {"node_network": {"env": {"PET_NODE_RANK": "1"}}}})
+
+
 def test_the_compiled_two_node_package_submits_from_a_task_without_gpus(tmp_path):
     """In the compiled paper package the two training tasks request no GPU (they submit and follow);
     the other GPU tasks keep theirs. They take no checkpoint as an input artifact, which KFP's launcher
@@ -313,10 +346,11 @@ def _read(path: Path) -> str:
 NODE_MEMORY = "2Gi"
 
 
-def _nodes_cfg():
+def _nodes_cfg(**pipeline):
     pipeline = {
         "s3_secret": "dynamicrubric-s3",
         "resources": {"train_policy": {"cpu": "2", "memory": NODE_MEMORY}},
+        **pipeline,
     }
     return _cfg(train_policy=NODES_TRAIN, data={"num_prompts": 8}, pipeline=pipeline)
 
@@ -370,6 +404,39 @@ def test_an_api_that_stops_answering_leaves_the_trainjob_for_the_retry(cluster, 
         "the task's retry to follow"
     )
     assert cluster.deleted == [] and cluster.job(name) is not None
+
+
+# What the scheduler says of a node pod whose ephemeral-storage request (pipeline.model_cache_size) no
+# node's disk holds (kube-scheduler's fit and preemption plugins, as `kubectl describe pod` shows it).
+NO_DISK = ("0/4 nodes are available: 4 Insufficient ephemeral-storage. preemption: 0/4 nodes are available: "
+           "4 No preemption victims found for incoming pod.")  # fmt: skip
+
+
+def test_a_node_pod_that_cannot_be_scheduled_is_explained_once_and_fails_the_task_in_time(
+    cluster, s3_env, capfd
+):
+    """Node pods the scheduler cannot place: the task prints its reason and message once (not at each
+    poll), and after pipeline.schedule_timeout_s deletes the TrainJob and fails in one line that says
+    why. The stage's own deadline (120 s) is what ends the wait without the schedule timeout."""
+    cfg = _nodes_cfg(
+        schedule_timeout_s=3,
+        resources={"train_policy": {"cpu": "2", "memory": NODE_MEMORY, "timeout_s": 120}},
+    )
+    job = _nodes_job(s3_env, "unschedulable", cfg)
+    name = trainjob_name(job)
+    cluster.unschedulable = NO_DISK
+    started = time.monotonic()
+    with pytest.raises(TrainJobFailed) as failed:
+        train_on_nodes(cfg, job)
+    waited = time.monotonic() - started
+    why = f"node-0, node-1 not scheduled: Unschedulable: {NO_DISK}"
+    assert str(failed.value) == (f"TrainJob team-a/{name}: deleted, its node pods not all placed in 3 s "
+                                 f"(pipeline.schedule_timeout_s): {why}")  # fmt: skip
+    assert 3 < waited < 90, waited
+    out = capfd.readouterr().out
+    assert out.count(why) == 1 and f"TrainJob team-a/{name}: {why}\n" in out, out
+    assert f"TrainJob team-a/{name}: node-0 Pending, node-1 Pending" in out
+    assert cluster.deleted == [name] and cluster.job(name) is None and len(cluster.created) == 1
 
 
 PROBE = """
@@ -449,7 +516,7 @@ print("result", json.dumps(on_nodes.train_on_nodes(cfg, job)))
 PADDING = 12 << 20  # each input checkpoint's weights, beside tiny-random's own 5 MB
 
 
-def test_the_task_runs_under_a_disk_limit_below_its_two_input_checkpoints(cluster, s3_env, tmp_path):
+def test_the_task_runs_under_a_disk_limit_below_its_two_input_checkpoints(cluster, s3_env, seaweed, tmp_path):
     """The KFP task of a stage on several nodes holds next to nothing on its pod's disk: the policy and
     the generator reach the nodes as store URIs (the on-nodes component takes them so: KFP would
     download an input artifact into the pod), and the export reaches the task's output by server-side
@@ -503,19 +570,51 @@ def test_the_task_runs_under_a_disk_limit_below_its_two_input_checkpoints(cluste
     handed = TrainingJob.from_json(store.read_bytes(f"{out}.work/trainjob/job.json").decode())
     assert (handed.policy, handed.generator) == (checkpoints["policy"], checkpoints["generator"])
     assert record["disk_peak"] < limit
-    # A retry, in a fresh pod (its pod paths empty): no second TrainJob, the outputs copied again.
+    client = seaweed.client()
+    _no_export_copy_left(client, out)  # published: the nodes' export is gone
+    # A retry, in a fresh pod (its pod paths empty): no second TrainJob, the outputs copied again, and an
+    # upload a node left open under the TrainJob's prefix aborted.
     shutil.rmtree(mount / "steps")
+    _open_upload(client, f"{out}.work/trainjob/out.work/checkpoint-00001/model.safetensors")
     assert train_on_nodes(cfg, job) == {"loss": 0.5} and len(cluster.created) == 1
     assert (mount / "steps" / "step-00001" / "scores.parquet").read_bytes() == b"step 1"
+    assert store.read_manifest(out)["files"] == store.read_manifest(checkpoints["policy"])["files"]
+    _no_export_copy_left(client, out)
 
 
 def _weights(uri: str, local: Path) -> dict[str, torch.Tensor]:
     return load_file(str(store.download_dir(uri, local) / "model.safetensors"))
 
 
+def _left_under(client, uri: str) -> tuple[list[str], list[str]]:
+    """The keys, and the keys of unfinished multipart uploads, under a folder `uri` of the store."""
+    bucket, prefix = uri.removeprefix("s3://").split("/", 1)
+    prefix = prefix.rstrip("/") + "/"
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    keys = [o["Key"].removeprefix(prefix) for page in pages for o in page.get("Contents", [])]
+    uploads = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
+    return keys, [u["Key"].removeprefix(prefix) for u in uploads]
+
+
+def _open_upload(client, uri: str) -> None:
+    """A multipart upload begun at `uri` with one part stored and never completed, as a node killed
+    mid-upload leaves it."""
+    bucket, key = uri.removeprefix("s3://").split("/", 1)
+    upload = client.create_multipart_upload(Bucket=bucket, Key=key)
+    client.upload_part(Bucket=bucket, Key=key, UploadId=upload["UploadId"], PartNumber=1, Body=b"x" * 1024)
+
+
+def _no_export_copy_left(client, out_uri: str) -> None:
+    """After a stage on nodes succeeds, its work prefix keeps only the small files a retry copies again:
+    no second copy of the export (the nodes' `trainjob/out`), no trainer checkpoint, no open upload."""
+    keys, uploads = _left_under(client, f"{out_uri}.work")
+    assert keys and not [k for k in keys if k.startswith(("trainjob/out/", "trainjob/out.work/"))], keys
+    assert uploads == []
+
+
 @pytest.mark.slow  # three 2-node launches, each two processes on 2 cores: about 3 min
 def test_two_nodes_train_a_failed_trainjob_fails_the_task_and_a_retry_resumes(
-    cluster, s3_env, tmp_path, capfd
+    cluster, s3_env, seaweed, tmp_path, capfd
 ):
     cfg = _nodes_cfg()
 
@@ -538,6 +637,8 @@ def test_two_nodes_train_a_failed_trainjob_fails_the_task_and_a_retry_resumes(
     assert handed.generator == f"s3://{s3_env}/whole/generator"
     if cluster.pod_limits:
         assert {n.memory_limit for n in cluster.job(name).nodes} == {2 * 2**30}
+    client = seaweed.client()
+    _no_export_copy_left(client, whole.out_uri)
 
     # 2. Node 1 lost after step 1's checkpoint: the TrainJob fails, so does the task, in one line.
     killed = _nodes_job(s3_env, "killed", cfg)
@@ -563,6 +664,11 @@ def test_two_nodes_train_a_failed_trainjob_fails_the_task_and_a_retry_resumes(
     part = store.read_manifest(f"{stored}/nodes/node-1/checkpoint-00001")["files"]
     assert set(part) == {"rng_state_1.pth"}, part  # what rank 0 cannot upload: it is on node 1's disk
     assert not store.is_complete(killed.out_uri)
+    # ... and, as a node killed mid-upload leaves it, an unfinished multipart upload of its next save
+    _open_upload(client, f"{stored}/checkpoint-00002/model.safetensors")
+    assert _left_under(client, f"{killed.out_uri}.work")[1] == [
+        "trainjob/out.work/checkpoint-00002/model.safetensors"
+    ]
 
     # 3. The retried task: the failed TrainJob goes, a new one resumes from step 1's checkpoint in the store
     #    (the nodes are fresh scratch folders) and ends with the uninterrupted run's weights.
@@ -576,6 +682,7 @@ def test_two_nodes_train_a_failed_trainjob_fails_the_task_and_a_retry_resumes(
     assert f"resuming from {killed.out_uri}.work/trainjob/out.work/checkpoint-00001" in out
     a, b = _weights(whole.out_uri, tmp_path / "a"), _weights(killed.out_uri, tmp_path / "b")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _no_export_copy_left(client, killed.out_uri)  # the killed attempt's upload aborted too
 
 
 @pytest.mark.slow  # one 2-node launch, stopped after its first step

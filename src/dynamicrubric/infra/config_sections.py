@@ -371,6 +371,40 @@ STAGE_FACTS: dict[str, StageFacts] = {
 }
 
 
+# What a TrainJob sets on its nodes itself (training/trainjob.py and the torch runtime's rendezvous).
+NODE_ENV_SET = ("DYNRUBRIC_CACHE", "HF_HOME", *S3_ENV)
+
+
+class NodeNetwork(Section):
+    """What a TrainJob's node pods (a stage with num_nodes > 1) get for the network between them, e.g. NCCL
+    over RDMA (docs/training.md, "The network between nodes"). Empty: pod TCP, NCCL's defaults."""
+
+    env: dict[str, str] = {}  # on every node: NCCL_IB_HCA, NCCL_SOCKET_IFNAME, NCCL_DEBUG, ...
+    # On every node pod: a secondary network's, e.g. Multus' k8s.v1.cni.cncf.io/networks.
+    annotations: dict[str, str] = {}
+    # Extended resources per node pod (requested = limit), e.g. {"rdma/rdma_shared_device_a": "1"}.
+    resources: dict[str, str] = {}
+    # The node container gets the IPC_LOCK capability: RDMA pins (registers) the memory NCCL sends from.
+    ipc_lock: bool = False
+
+    @field_validator("env")
+    @classmethod
+    def _not_set_here(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if name in NODE_ENV_SET or name.startswith("PET_"):
+                raise ValueError(
+                    f"{name} is set by the TrainJob itself (the store, the model cache, torchrun)"
+                )
+        return value
+
+    @field_validator("resources")
+    @classmethod
+    def _quantities(cls, value: dict[str, str]) -> dict[str, str]:
+        for quantity in value.values():
+            quantity_bytes(quantity)
+        return value
+
+
 class PipelineConfig(Section):
     rounds: int = Field(2, ge=1, le=20)
     # Rounds per KFP run: a longer schedule runs as a chain of runs, each starting from the previous
@@ -413,6 +447,14 @@ class PipelineConfig(Section):
     # (DYNRUBRIC_CACHE), the hub cache (HF_HOME) and a training task's local trainer checkpoints and
     # export (config.disk_plan sizes it; a pod that writes more is evicted).
     model_cache_size: str = "64Gi"
+    # How long a TrainJob's node pod (a stage with num_nodes > 1) may stay unscheduled (its PodScheduled
+    # condition False: no node has the GPUs, memory or ephemeral storage it requests) before the task
+    # deletes the TrainJob and fails with the scheduler's reason. 30 min: a cluster autoscaler brings up a
+    # GPU node in 5-15 min, and a node pod that is placed waits at most train_*.rendezvous_timeout_s
+    # (3600 s) for the others, so a half-placed TrainJob fails with the scheduler's reason, not torch's
+    # rendezvous timeout. 0: wait as long as the stage's timeout_s.
+    schedule_timeout_s: int = Field(1800, ge=0)
+    node_network: NodeNetwork = NodeNetwork()
     resources: dict[str, StageResources] = {}
 
     @field_validator("shm_size", "model_cache_size")

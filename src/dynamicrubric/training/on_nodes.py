@@ -8,11 +8,12 @@ nodes write the stage's outputs under the work prefix (a pod path such as /s3/b/
 uploaded only when it succeeds); the task copies them to its outputs once the TrainJob is complete, the
 checkpoint by server-side copies straight to its output's URI (`in_store`): the task's pod never holds
 the models it trains from (they reach the nodes as URIs: stages/kfp_source.py) nor the one it exports. A
-failed TrainJob fails the task with one line naming it; a cancelled task (SIGTERM) deletes it. A retried
+failed TrainJob fails the task with one line naming it; a cancelled task (SIGTERM) deletes it, and so
+does one whose node pods the scheduler cannot place within `pipeline.schedule_timeout_s`. A retried
 task follows the TrainJob of the same name where it still runs (the attempt before died without deleting
 it, or lost the API), else deletes the one that ended and submits again, and the trainer resumes from the
 newest trainer checkpoint in the work prefix (training/checkpoints.py). A retry after the TrainJob
-completed only copies.
+completed only copies. Once the outputs are the task's, the nodes' copy of the export goes.
 
 The Kubeflow SDK's TrainerClient builds its own TrainJob from its trainer types, which have no command
 for a custom image, and its local-process backend runs one node (kubeflow 0.5.0). So the TrainJob is
@@ -154,10 +155,15 @@ def train_on_nodes(cfg: Config, job: TrainingJob, jobs: TrainJobs | None = None)
         return already_done(cfg, job)
     files = NodeFiles.of(cfg, job)  # first: a job that no node can read is refused before any download
     check_job(cfg, job)
-    if not store.is_complete(files.job.out_uri):  # else: done by an earlier attempt; collect it
+    # Done by an earlier attempt: the nodes' export is complete (to be collected), or an attempt already
+    # copied it to the task's output in the store (`exported` is then the store's URI: the steps and
+    # metrics, pod paths, are copied again) and removed the nodes' copy.
+    trained = store.is_complete(files.job.out_uri) or store.is_complete(exported.out_uri)
+    if not trained:
         _run(cfg, job, files, jobs or TrainJobs.connect())
     result = json.loads(store.read_bytes(files.result_uri))
     copy_outputs(files.job, exported)
+    clean_up(files)
     return result
 
 
@@ -188,7 +194,7 @@ def _run(cfg: Config, job: TrainingJob, files: NodeFiles, jobs: TrainJobs) -> No
             print(f"{where}: still running from an earlier attempt of this task; following it", flush=True)
         else:
             _submit(cfg, files, jobs, name, where, leftover=earlier is not None)
-        ended, why = _follow(jobs, name, where)
+        ended, why = _follow(jobs, name, where, cfg.pipeline.schedule_timeout_s)
     if ended == "Failed":
         raise _failure(job.stage, files.result_uri, where, why)
     print(f"{where}: complete", flush=True)
@@ -214,12 +220,15 @@ def _submit(cfg: Config, files: NodeFiles, jobs: TrainJobs, name: str, where: st
           flush=True)  # fmt: skip
 
 
-def _follow(jobs: TrainJobs, name: str, where: str) -> tuple[str, str]:
-    """Wait for the TrainJob to end, printing its node pods' phases as they change and every node's log
-    lines (prefixed with the node) as they come."""
+def _follow(jobs: TrainJobs, name: str, where: str, schedule_timeout_s: float = 0) -> tuple[str, str]:
+    """Wait for the TrainJob to end, printing its node pods' phases as they change, why the scheduler
+    cannot place a node pod (once, and again only if that changes), and every node's log lines (prefixed
+    with the node) as they come. A node pod unscheduled for `schedule_timeout_s` (0: no limit) fails it."""
     followed: dict[str, threading.Thread] = {}
     phases: list[str] = []
     unreachable_since: float | None = None
+    unscheduled_since: float | None = None
+    told = ""
     while True:
         try:
             trainjob, pods = jobs.get(name), jobs.node_pods(name)
@@ -256,7 +265,44 @@ def _follow(jobs: TrainJobs, name: str, where: str) -> tuple[str, str]:
             for thread in followed.values():  # the last lines of the logs, for a failure's cause
                 thread.join(timeout=10)
             return ended
+        waiting = unscheduled(pods)
+        if waiting != told:
+            if waiting:
+                print(f"{where}: {waiting}", flush=True)
+            told = waiting
+        # the clock runs from when some node pod is first seen unplaced until every one is placed
+        unscheduled_since = (unscheduled_since or time.monotonic()) if waiting else None
+        if waiting and schedule_timeout_s and time.monotonic() - unscheduled_since > schedule_timeout_s:
+            _unschedulable(jobs, name, where, schedule_timeout_s, waiting)
         time.sleep(POLL_S)
+
+
+def unscheduled(pods: list[Any]) -> str:
+    """Why the scheduler leaves node pods unplaced, as the API says it (the pod's PodScheduled condition
+    False: its reason, e.g. Unschedulable, and message, e.g. "0/4 nodes are available: 4 Insufficient
+    ephemeral-storage."), on one line, pods with the same reason together; "" when every pod is placed."""
+    nodes: dict[str, list[str]] = {}
+    for pod in pods:
+        for condition in (pod.status and pod.status.conditions) or []:
+            if condition.type == "PodScheduled" and condition.status == "False":
+                why = ": ".join(filter(None, (condition.reason, condition.message))) or "no reason given"
+                nodes.setdefault(" ".join(why.split()), []).append(f"node-{node_index(pod)}")
+    return "; ".join(f"{', '.join(names)} not scheduled: {why}" for why, names in nodes.items())
+
+
+def _unschedulable(jobs: TrainJobs, name: str, where: str, timeout_s: float, why: str) -> None:
+    """Delete a TrainJob whose node pods the scheduler cannot place, then fail the task naming why.
+
+    Deleting loses nothing: an unplaced pod has run nothing, and any trainer checkpoint is in the store for
+    the retry to resume from. Left in place it would do harm: a placed node would hold its GPUs idle in the
+    rendezvous, and once the task's retries are spent nothing follows it, so a TrainJob placed hours later
+    would train for no one until its deadline. A retry submits it afresh and waits as long again."""
+    with _api_errors(where):
+        jobs.delete(name)
+        _wait_gone(jobs, name)
+    raise TrainJobFailed(
+        f"{where}: deleted, its node pods not all placed in {timeout_s:g} s (pipeline.schedule_timeout_s): {why}"
+    )
 
 
 def _print_log(jobs: TrainJobs, pod: Any, where: str) -> None:
@@ -346,8 +392,19 @@ def copy_outputs(src: TrainingJob, dst: TrainingJob) -> None:
     can be 16 GB; the task has 4Gi and next to no disk) is copied by the store itself, server-side, to
     `dst.out_uri` in the store (`in_store`); the small files stream through the task, none ever whole
     in memory."""
-    store.copy_dir(src.out_uri, dst.out_uri)
+    if not store.is_complete(dst.out_uri):  # else: an earlier attempt's copy (see train_on_nodes)
+        store.copy_dir(src.out_uri, dst.out_uri)
     for rel in store.list_files(src.steps_uri):
         store.copy_file(store.join(src.steps_uri, rel), store.join(dst.steps_uri, rel))
     if src.metrics_uri and dst.metrics_uri:
         store.copy_file(src.metrics_uri, dst.metrics_uri)
+
+
+def clean_up(files: NodeFiles) -> None:
+    """Once the task holds the outputs: remove the nodes' export (a second copy of the trained model, 16 GB
+    for Qwen3-8B) and abort every multipart upload left under the TrainJob's prefix (a node killed
+    mid-upload in an earlier attempt). No node writes there any more: the TrainJob is complete, and its
+    name is this task's alone. The small files stay (the result, the steps, the metrics): a retry of the
+    task, should its pod fail after this, copies them again."""
+    store.delete_dir(files.job.out_uri)
+    store.abort_stale_uploads(files.work_uri + "/", older_than_s=0)

@@ -66,6 +66,7 @@ def train_job(
         p.accelerator_type: str((tcfg.world_size + tcfg.reward_gpus) // tcfg.num_nodes),
         "cpu": resources.cpu,
         "memory": resources.memory,
+        **p.node_network.resources,  # e.g. the RDMA device plugin's
     }
     quantities = {k: k8s.IoK8sApimachineryPkgApiResourceQuantity(v) for k, v in per_node.items()}
     # The node's scratch (the model cache: staged models, its share of each trainer checkpoint, the export)
@@ -87,6 +88,7 @@ def train_job(
         )
         for key in (S3_ENV if p.s3_secret else ())
     ]
+    env += [k8s.IoK8sApiCoreV1EnvVar(name=key, value=value) for key, value in p.node_network.env.items()]
     trainer = k8s.TrainerV1alpha1Trainer(
         image=p.image,
         command=node_command(config_uri, job_uri, result_uri),
@@ -110,7 +112,7 @@ def node_pod_patch(cfg: Config) -> k8s.TrainerV1alpha1RuntimePatch:
     pipeline's node selector, tolerations and pull secrets, a /dev/shm in memory (NCCL, vLLM) and a
     sized scratch volume for the model cache; the label that admits it to the object store through the
     NetworkPolicies (manifests/base), and no Istio sidecar, which would stand between the nodes'
-    rendezvous connections (see docs/deploy.md)."""
+    rendezvous connections (see docs/deploy.md); `pipeline.node_network`'s annotations and IPC_LOCK."""
     p = cfg.pipeline
     volumes = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": p.shm_size}},
@@ -118,6 +120,8 @@ def node_pod_patch(cfg: Config) -> k8s.TrainerV1alpha1RuntimePatch:
     ]
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "model-cache", "mountPath": CACHE_MOUNT}]
     tolerations = [k8s.IoK8sApiCoreV1Toleration(**t.model_dump(exclude_none=True)) for t in p.tolerations]
+    # RDMA pins (registers) the memory NCCL sends from, which needs IPC_LOCK beyond the default memlock limit
+    locked_memory = k8s.IoK8sApiCoreV1SecurityContext.from_dict({"capabilities": {"add": ["IPC_LOCK"]}})
     pod = k8s.TrainerV1alpha1PodSpecPatch(
         node_selector=dict(p.node_selector) or None,
         tolerations=tolerations or None,
@@ -126,12 +130,16 @@ def node_pod_patch(cfg: Config) -> k8s.TrainerV1alpha1RuntimePatch:
         volumes=[k8s.IoK8sApiCoreV1Volume.from_dict(v) for v in volumes],
         containers=[
             k8s.TrainerV1alpha1ContainerPatch(
-                name=NODE, volume_mounts=[k8s.IoK8sApiCoreV1VolumeMount.from_dict(m) for m in mounts]
+                name=NODE,
+                volume_mounts=[k8s.IoK8sApiCoreV1VolumeMount.from_dict(m) for m in mounts],
+                security_context=locked_memory if p.node_network.ipc_lock else None,
             )
         ],
     )
     # Istio's label (its annotation of the same name is the older form) rather than the namespace's default
-    metadata = {"labels": {S3_CLIENT_LABEL: "true", "sidecar.istio.io/inject": "false"}}
+    metadata: dict = {"labels": {S3_CLIENT_LABEL: "true", "sidecar.istio.io/inject": "false"}}
+    if p.node_network.annotations:  # a pod template patch may set labels and annotations only
+        metadata["annotations"] = dict(p.node_network.annotations)
     template = k8s.TrainerV1alpha1PodTemplatePatch(metadata=metadata, spec=pod)
     node = k8s.TrainerV1alpha1ReplicatedJobPatch(
         name=NODE,
@@ -155,13 +163,14 @@ def trainjob_name(job: TrainingJob) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class NodeFiles:
-    """What the task and the nodes share in the store: the config, the job the nodes run (its outputs
-    under the work prefix), and rank 0's result."""
+    """What the task and the nodes share in the store, all under `work_uri` (`<out>.work/trainjob`): the
+    config, the job the nodes run (its outputs there too), and rank 0's result."""
 
     config_uri: str
     job_uri: str
     result_uri: str
     job: TrainingJob
+    work_uri: str
 
     @classmethod
     def of(cls, cfg: Config, job: TrainingJob) -> NodeFiles:
@@ -179,6 +188,7 @@ class NodeFiles:
             store.join(work, "job.json"),
             store.join(work, "result.json"),
             dataclasses.replace(job, **outputs),
+            work,
         )
         if not store.is_s3(work):  # a local pipeline root: the nodes would write where the task never looks
             raise _unreadable(job.stage, "job.out_uri", job.out_uri)
