@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import types
 from dataclasses import dataclass, field
 from functools import cache
@@ -30,6 +31,7 @@ from typing import Any
 import pandas as pd
 
 _FOLDER = ("tasks", "writingbench")
+log = logging.getLogger(__name__)
 
 
 class WritingBenchError(ValueError):
@@ -117,12 +119,17 @@ def writingbench_scores(criteria: pd.DataFrame) -> WritingBenchScores:
         raise WritingBenchError(f"WritingBench scores must be 1–10; got {sorted(score[bad].unique())[:5]}")
     scored = frame.assign(score=score)[score.notna()]
     per_query = scored.groupby("index", sort=False)["score"].mean()
+    failed = int(score.isna().sum())
+    if failed:
+        log.warning(
+            "WritingBench: %d of %d criterion replies did not parse; left out, not scored", failed, len(frame)
+        )
     overall = float(scored["score"].mean()) if len(scored) else float("nan")
     return WritingBenchScores(
         score=overall,
         score_x10=10 * overall,
         queries=int(len(per_query)),
         criteria=int(len(scored)),
-        failed=int(score.isna().sum()),
+        failed=failed,
         per_query={k: float(v) for k, v in per_query.items()},
     )
