@@ -148,7 +148,8 @@ def test_critic_reply_parsing(reply, score):
     assert parse_critic_reply(reply) == score
 
 
-def test_scores_out_of_range_are_refused():
-    frame = pd.DataFrame({"index": [1, 1], "criterion": ["a", "b"], "score": [5, 0]})
-    with pytest.raises(WritingBenchError, match="1–10"):
+@pytest.mark.parametrize("bad", [0, 11, 7.5])
+def test_scores_that_are_not_integers_1_to_10_are_refused(bad):
+    frame = pd.DataFrame({"index": [1, 1], "criterion": ["a", "b"], "score": [5, bad]})
+    with pytest.raises(WritingBenchError, match="integers 1–10"):
         writingbench_scores(frame)

@@ -114,9 +114,11 @@ def writingbench_scores(criteria: pd.DataFrame) -> WritingBenchScores:
     if lacking:
         raise WritingBenchError(f"WritingBench criteria lack column(s) {lacking}")
     score = pd.to_numeric(frame["score"], errors="coerce")
-    bad = score.notna() & ~score.between(1, 10)
+    bad = score.notna() & (~score.between(1, 10) | (score % 1 != 0))
     if bad.any():
-        raise WritingBenchError(f"WritingBench scores must be 1–10; got {sorted(score[bad].unique())[:5]}")
+        raise WritingBenchError(
+            f"WritingBench scores must be integers 1–10; got {sorted(score[bad].unique())[:5]}"
+        )
     scored = frame.assign(score=score)[score.notna()]
     per_query = scored.groupby("index", sort=False)["score"].mean()
     failed = int(score.isna().sum())
