@@ -126,15 +126,14 @@ def _weights(uri: str, local: Path) -> dict[str, torch.Tensor]:
     return load_file(str(store.download_dir(uri, local) / "model.safetensors"))
 
 
-def _replicated_files(checkpoint: str, local: Path) -> dict[str, set[str]]:
-    """For each DCP folder of a stored trainer checkpoint: the files holding its replicated entries
-    (everything but the ranks' DTensor shards), read from its .metadata (node 0's part holds it)."""
+def _replicated_files(checkpoint: Path) -> dict[str, set[str]]:
+    """For each DCP folder of a trainer checkpoint: the files holding its replicated entries (all but the
+    ranks' DTensor shards: AdamW's `step` tensors and `param_groups` values), read from its .metadata."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    folder = store.download_dir(checkpoint, local)
     found = {}
-    for meta in folder.glob("*/.metadata"):
+    for meta in checkpoint.glob("*/.metadata"):
         metadata = FileSystemReader(str(meta.parent)).read_metadata()
         sharded = {
             fqn for fqn, m in metadata.state_dict_metadata.items()
@@ -144,6 +143,70 @@ def _replicated_files(checkpoint: str, local: Path) -> dict[str, set[str]]:
             info.relative_path for index, info in metadata.storage_data.items() if index.fqn not in sharded
         }
     return found
+
+
+# Two gloo processes save a sharded AdamW state through accelerate's own FSDP2 save, with torch's planner,
+# then with the trainer's (checkpoints.replicated_entries_with_rank0): argv[1], argv[2].
+SAVE_TWICE = """
+import sys
+from datetime import timedelta
+
+import torch
+from accelerate import PartialState
+from accelerate.utils import FullyShardedDataParallelPlugin
+from accelerate.utils.fsdp_utils import save_fsdp_optimizer
+from torch.distributed.fsdp import fully_shard
+
+from dynamicrubric.training.checkpoints import replicated_entries_with_rank0
+
+state = PartialState(cpu=True, timeout=timedelta(seconds=60))
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+for layer in model:
+    fully_shard(layer)
+fully_shard(model)
+optimizer = torch.optim.AdamW(model.parameters())
+model(torch.randn(4, 8)).sum().backward()
+optimizer.step()
+plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+save_fsdp_optimizer(plugin, None, optimizer, model, sys.argv[1])
+replicated_entries_with_rank0()
+save_fsdp_optimizer(plugin, None, optimizer, model, sys.argv[2])
+state.destroy_process_group()
+"""
+
+
+def test_the_trainer_s_fsdp2_save_puts_every_replicated_entry_in_rank_0_s_file(tmp_path: Path) -> None:
+    """accelerate's FSDP2 optimizer save (what transformers' Trainer calls at each checkpoint) on two
+    gloo processes: torch's default planner spreads the replicated entries over both ranks' files, so
+    a node holding only rank 0's could not load them; after replicated_entries_with_rank0 every one is
+    in rank 0's file, and each rank's shards stay in its own."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "2",
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [sys.executable, "-c", SAVE_TWICE, str(tmp_path / "torch"), str(tmp_path / "trainer")]
+    ranks = [
+        subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+        for r in (0, 1)
+    ]  # fmt: skip
+    try:
+        outputs = [rank.communicate(timeout=300)[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    spread = _replicated_files(tmp_path / "torch")["optimizer_0"]
+    assert spread == {"__0_0.distcp", "__1_0.distcp"}, spread  # what the fix is for (torch 2.13's default)
+    ours = _replicated_files(tmp_path / "trainer")["optimizer_0"]
+    assert ours == {"__0_0.distcp"}, ours
+    assert sorted(p.name for p in (tmp_path / "trainer" / "optimizer_0").glob("*.distcp")) == [
+        "__0_0.distcp", "__1_0.distcp"]  # fmt: skip
 
 
 @pytest.mark.slow  # three two-node launches of one process each: about 3 minutes on 2 busy cores
@@ -177,7 +240,7 @@ def test_two_fsdp2_nodes_killed_after_a_save_resume_to_the_unbroken_run(s3_env, 
     assert store.is_complete(f"{killed.out_uri}.work/nodes/node-1/checkpoint-00001")  # node 1's part
     # Every replicated entry (AdamW's step tensors, its param_groups) is in rank 0's file, which every
     # node fetches: DCP's default spread them over the ranks, and node 0 fetches only its own part.
-    replicated = _replicated_files(checkpoint, tmp_path / "checkpoint")
+    replicated = _replicated_files(store.download_dir(checkpoint, tmp_path / "checkpoint"))
     assert {"pytorch_model_fsdp_0", "optimizer_0"} <= set(replicated), replicated
     assert replicated["optimizer_0"], replicated  # the optimizer has some
     for folder, names in replicated.items():
