@@ -14,6 +14,7 @@ whose output is complete does nothing, once checked that it holds the same work 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -138,6 +139,33 @@ def node_part(uri: str, node: int) -> str:
 def this_node() -> int:
     """This process's node in the launch (torchrun's GROUP_RANK; 0 when it runs alone)."""
     return int(os.environ.get("GROUP_RANK", "0"))
+
+
+@functools.cache
+def replicated_entries_with_rank0() -> None:
+    """Make DCP save every replicated entry of a trainer checkpoint with rank 0, whose files every node
+    fetches on resume (`fetch_checkpoint`). Once a process, before its first save.
+
+    DCP writes an entry that several ranks hold (AdamW's per-parameter `step` tensors, the optimizer's
+    `param_groups` values: plain tensors and values, not DTensor shards) once, on the rank that has
+    written the fewest bytes so far: `DefaultSavePlanner(dedup_save_to_lowest_rank=False)`, torch's
+    default (torch/distributed/checkpoint/_dedup_save_plans.py `dedup_save_plans`). So they spread over
+    the ranks of every node, and node 0, which fetches only its own files, could not load its optimizer
+    (FileNotFoundError on `optimizer_0/__1_0.distcp`, on every retry). With `True` each goes to the
+    lowest rank that holds it: rank 0 for everything an FSDP2 mesh replicates, while each rank's shards
+    stay in its own file. accelerate 1.15 builds `DefaultSavePlanner()` with no arguments, importing it
+    from torch's module at each save (utils/fsdp_utils.py `save_fsdp_model`, `save_fsdp_optimizer`), so
+    that module's name is where the default can change; tests/test_fsdp_nodes.py checks where the
+    entries land and that two nodes resume."""
+    from torch.distributed.checkpoint import default_planner
+
+    base = default_planner.DefaultSavePlanner
+
+    class ReplicatedWithRank0(base):
+        def __init__(self, *args, dedup_save_to_lowest_rank: bool = True, **kwargs) -> None:
+            super().__init__(*args, dedup_save_to_lowest_rank=dedup_save_to_lowest_rank, **kwargs)
+
+    default_planner.DefaultSavePlanner = ReplicatedWithRank0
 
 
 def fetch_checkpoint(uri: str, scratch: Path) -> str:

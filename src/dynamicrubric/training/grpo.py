@@ -52,6 +52,7 @@ from dynamicrubric.training.checkpoints import (
     finished_work,
     gather_weights,
     lora_config,
+    replicated_entries_with_rank0,
     resume_point,
     scratch_folder,
     work_prefix,
@@ -130,6 +131,7 @@ def _grpo(
     if not cuda:
         _restore_indexed_cpu()
         bound_lm_head_tiles()
+    replicated_entries_with_rank0()  # every node's resume folder holds what its ranks read
     # Where ranks wait for another rank's store transfer or served scores: not in an accelerator collective.
     cpu_waits.init(timedelta(seconds=tcfg.wait_timeout_s))
     if state.num_processes != tcfg.world_size:
