@@ -175,7 +175,7 @@ class PodLauncher(TaskStarter):
                 uri = artifact["uri"]
                 if not uri.startswith("s3://"):
                     raise PodError(f"{stage}: input artifact {uri} is not in the object store")
-                _download_flat(uri, pod / "s3" / uri.removeprefix("s3://"))
+                download_artifact(uri, pod / "s3" / uri.removeprefix("s3://"))
         # Outputs: s3:// URIs under the pipeline root; the task writes them under /s3 in its pod.
         outputs = executor_input.get("outputs", {})
         uploads: list[tuple[Path, str]] = []
@@ -235,7 +235,7 @@ class PodLauncher(TaskStarter):
                 if not local.exists():  # the launcher warns and records the artifact at its URI
                     record.setdefault("not_uploaded", []).append(uri)  # (a task may write it there itself)
                     continue
-                _upload_flat(local, uri)
+                upload_artifact(local, uri)
             for src, dst in copy_back:
                 if src.exists():
                     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -267,8 +267,11 @@ class _PodTask(TaskProcess):
         return self._after(code), usage
 
 
-def _download_flat(uri: str, local: Path) -> None:
-    """An input artifact as the launcher fetches it: the object itself, or every key under it."""
+def download_artifact(uri: str, local: Path) -> None:
+    """An input artifact as the launcher fetches it into a pod: the object itself, or every key under it
+    at its path relative to the artifact's, whatever it is (launcher_v2.go downloadArtifacts,
+    objectstore DownloadBlob). A folder the store published versioned arrives with its `_COMPLETE`
+    marker and its `_versions/<token>/` files as they are."""
     from dynamicrubric import store
     from dynamicrubric.store import s3
 
@@ -283,7 +286,7 @@ def _download_flat(uri: str, local: Path) -> None:
         client.download_file(bucket, k, str(target))
 
 
-def _upload_flat(local: Path, uri: str) -> None:
+def upload_artifact(local: Path, uri: str) -> None:
     """An output as the launcher uploads it: a file to the URI's key, a folder file by file."""
     from dynamicrubric import store
     from dynamicrubric.store import s3
