@@ -25,8 +25,11 @@ conditions, collected outputs) while every task sees only what its pod would:
 - the model-cache volume of a stage that has one (its `sizeLimit` from `pipeline.model_cache_size`),
   with the caches pointed at it as the compiled pipeline points them, and the pod evicted when it
   writes more (its use polled, as the kubelet does: pod_limits.DiskWatcher);
-- the memory limit of the task's stage (`pipeline.resources`, what the compiled pipeline requests)
-  enforced with the cgroup v1 memory controller: a task that goes over is killed with exit code 137,
+- files the cluster mounts into every pod (`mounted`: a kubeconfig standing for the service account
+  with which a training stage on several nodes submits its TrainJob);
+- the memory limit of the task's stage (`pipeline.resources`, what the compiled pipeline requests; for
+  a stage on several nodes, what its task that only submits the TrainJob requests) enforced with the
+  cgroup v1 memory controller: a task that goes over is killed with exit code 137,
   as a pod is OOM-killed. Pages the task inherits from the preloaded server (its imports) are charged
   to the server, not the task, so the limit is a little looser than a pod's for the same imports.
 
@@ -60,6 +63,8 @@ from dynamicrubric.localrun.task_processes import (
     _run_executor,
     executor_call,
 )
+from dynamicrubric.pipelines.task_settings import task_resources
+from dynamicrubric.stages.kfp_source import ON_NODES
 
 CGROUP_MEMORY = Path("/sys/fs/cgroup/memory")
 S3_MOUNT = Path("/s3")  # where kfp's Artifact.path puts an s3:// URI's file
@@ -68,8 +73,9 @@ MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 
 
 def stage_memory(cfg: Config) -> Callable[[str], int]:
-    """The memory limit the compiled pipeline requests for a stage's tasks (`pipeline.resources`)."""
-    return lambda stage: int(quantity_bytes(cfg.pipeline.stage_resources(stage).memory))
+    """The memory limit the compiled pipeline requests for a stage's tasks (`pipeline.resources`; a
+    training stage on several nodes: what its task that submits the TrainJob requests)."""
+    return lambda stage: int(quantity_bytes(task_resources(cfg, stage).memory))
 
 
 def stage_cache(cfg: Config) -> Callable[[str], int | None]:
@@ -136,7 +142,9 @@ class PodLauncher(TaskStarter):
     """Starts kfp.local's tasks as pods (see the module docstring). `root` is kfp.local's pipeline
     root, `bucket` the bucket on the store the AWS_* variables name that stands for it, `pods` a folder
     for the pods' own files, `memory_limit` the bytes a task of a component may use, `cache_limit` the
-    sizeLimit of its model-cache volume (None: the component gets none)."""
+    sizeLimit of its model-cache volume (None: the component gets none), `mounted` the files the cluster
+    mounts into every pod (its path there, under /tmp -> the file here), as a kubeconfig that stands for
+    the service account a task that submits a TrainJob uses."""
 
     def __init__(
         self,
@@ -146,12 +154,14 @@ class PodLauncher(TaskStarter):
         memory_limit: Callable[[str], int],
         cache_limit: Callable[[str], int | None] = lambda component: None,
         preload: bool = True,
+        mounted: dict[str, Path] | None = None,
     ):
         super().__init__(preload)
         if self._context is None:
             raise PodError("the pod stand-in forks its tasks: it needs the forkserver start method")
         self.root, self.bucket, self.pods = root.resolve(), bucket, pods
         self.memory_limit, self.cache_limit = memory_limit, cache_limit
+        self.mounted = dict(mounted or {})  # a file here -> its path in every pod, under /tmp
         self.ran: list[dict] = []  # per task: its stage, pod folder, limits, peak uses, how it ended
 
     def _s3_uri(self, local_uri: str) -> str:
@@ -163,11 +173,15 @@ class PodLauncher(TaskStarter):
         if parsed is None:
             raise PodError(f"not a lightweight component's task command: {command[:3]}")
         component, executor_input = _executor_input(list(command))
-        stage = component.replace("-", "_")
+        stage = component.replace("-", "_").removesuffix(ON_NODES)  # a stage's TrainJob variant is its task
         code, args = parsed
         pod = self.pods / f"{stage}-{uuid.uuid4().hex[:8]}"
         (pod / "tmp" / "kfp_outputs").mkdir(parents=True)
         (pod / "s3").mkdir()
+        for inside, here in self.mounted.items():
+            target = pod / "tmp" / Path(inside).relative_to("/tmp")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(here, target)
 
         # Inputs: what the launcher downloads. Every input artifact must be in the object store.
         for group in executor_input.get("inputs", {}).get("artifacts", {}).values():
@@ -175,7 +189,7 @@ class PodLauncher(TaskStarter):
                 uri = artifact["uri"]
                 if not uri.startswith("s3://"):
                     raise PodError(f"{stage}: input artifact {uri} is not in the object store")
-                _download_flat(uri, pod / "s3" / uri.removeprefix("s3://"))
+                download_artifact(uri, pod / "s3" / uri.removeprefix("s3://"))
         # Outputs: s3:// URIs under the pipeline root; the task writes them under /s3 in its pod.
         outputs = executor_input.get("outputs", {})
         uploads: list[tuple[Path, str]] = []
@@ -193,7 +207,12 @@ class PodLauncher(TaskStarter):
         args = list(args)
         args[args.index("--executor_input") + 1] = json.dumps(executor_input)
 
-        record = {"stage": stage, "pod": str(pod), "memory_limit": self.memory_limit(stage)}
+        record = {
+            "stage": stage,
+            "component": component,
+            "pod": str(pod),
+            "memory_limit": self.memory_limit(stage),
+        }
         self.ran.append(record)
         cgroup = v1_memory_group(f"dynrubric-pod-{pod.name}", record["memory_limit"])
         env = dict(env)
@@ -235,7 +254,7 @@ class PodLauncher(TaskStarter):
                 if not local.exists():  # the launcher warns and records the artifact at its URI
                     record.setdefault("not_uploaded", []).append(uri)  # (a task may write it there itself)
                     continue
-                _upload_flat(local, uri)
+                upload_artifact(local, uri)
             for src, dst in copy_back:
                 if src.exists():
                     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -267,8 +286,11 @@ class _PodTask(TaskProcess):
         return self._after(code), usage
 
 
-def _download_flat(uri: str, local: Path) -> None:
-    """An input artifact as the launcher fetches it: the object itself, or every key under it."""
+def download_artifact(uri: str, local: Path) -> None:
+    """An input artifact as the launcher fetches it into a pod: the object itself, or every key under it
+    at its path relative to the artifact's, whatever it is (launcher_v2.go downloadArtifacts,
+    objectstore DownloadBlob). A folder the store published versioned arrives with its `_COMPLETE`
+    marker and its `_versions/<token>/` files as they are."""
     from dynamicrubric import store
     from dynamicrubric.store import s3
 
@@ -283,7 +305,7 @@ def _download_flat(uri: str, local: Path) -> None:
         client.download_file(bucket, k, str(target))
 
 
-def _upload_flat(local: Path, uri: str) -> None:
+def upload_artifact(local: Path, uri: str) -> None:
     """An output as the launcher uploads it: a file to the URI's key, a folder file by file."""
     from dynamicrubric import store
     from dynamicrubric.store import s3

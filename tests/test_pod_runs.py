@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+from pathlib import Path
 
 import pytest
 from pod_components import folder_pipeline
@@ -129,3 +130,78 @@ def test_chained_tiny_run_as_pods(tmp_path, s3_env, mlflow_server, s3_mount, mon
         assert uri.startswith(f"s3://{s3_env}/"), uri
     final = tracking.find_model_uri(cfg, result.run_name, "policy-round-2")
     assert final.startswith(f"s3://{s3_env}/"), final
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_trainer_on_two_nodes_hands_its_model_to_evaluate_as_pods(
+    tmp_path, tmp_path_factory, s3_env, seaweed, s3_mount, monkeypatch
+):
+    """One round of the tiny preset with every task a pod and train-policy at `num_nodes: 2`: its task
+    submits a TrainJob to the Kubernetes stand-in, whose two nodes train together (gloo over loopback),
+    and publishes their export to its output's URI itself, versioned, by server-side copies; evaluate
+    then loads P_1 from the launcher's mirror of that folder in its pod."""
+    import yaml
+    from k8s_standin import KubernetesStandIn
+
+    from dynamicrubric.infra.config import S3_ENV
+
+    # The nodes get the store's credentials from the secret only, and see no folder of the test's but
+    # their own (k8s_standin's mount namespace where the machine allows).
+    base_env = {k: v for k, v in os.environ.items() if k not in S3_ENV and not k.startswith(("KUBE", "PET_"))}
+    cluster = KubernetesStandIn(tmp_path / "nodes", {"dynamicrubric-s3": seaweed.env()}, base_env,
+                                hide=tmp_path_factory.getbasetemp()).start()  # fmt: skip
+    # The task reaches the API with a kubeconfig mounted into its pod, as a service account's token is.
+    kubeconfig = cluster.kubeconfig(tmp_path / "kubeconfig", "team-a")
+    monkeypatch.setenv("KUBECONFIG", "/tmp/kube/config")
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    # A relative root, as the default `./runs`: the config the nodes read names no path of this machine.
+    monkeypatch.chdir(tmp_path)
+    pipeline = {
+        "pipeline_root": "runs",
+        "rounds": 1,
+        "shards": 1,
+        "mlflow_tracking_uri": "",
+        "caching": False,
+        "s3_secret": "dynamicrubric-s3",
+        "resources": {"train_policy": {"cpu": "2", "memory": "3Gi"}},  # each node's
+    }
+    # One step a trainer, one evaluate variant, no benchmark: every artifact still crosses the pods.
+    lighter = {
+        "train_evaluator": {"max_steps": 1},
+        "train_policy": {"max_steps": 1, "num_nodes": 2, "world_size": 2, "per_device_train_batch_size": 2},
+        "evaluate": {"variants": ["dynamic"], "benchmarks": []},
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"preset": "tiny", "pipeline": pipeline, **lighter}))
+    cfg = load_config(tmp_path / "config.yaml")
+    launchers: list[PodLauncher] = []
+
+    def pods(preload: bool = True) -> PodLauncher:
+        launchers.append(PodLauncher(tmp_path / "runs", s3_env, tmp_path / "pods", stage_memory(cfg),
+                                     stage_cache(cfg), preload, mounted={"/tmp/kube/config": kubeconfig}))  # fmt: skip
+        return launchers[-1]
+
+    (tmp_path / "pods").mkdir()
+    monkeypatch.setattr(task_monitor, "TaskStarter", pods)
+    try:
+        launch.run_local(cfg)
+    finally:
+        cluster.stop()
+    assert cluster.unhandled == []
+
+    ran = {task["stage"]: task for launcher in launchers for task in launcher.ran}
+    assert not any(t.get("oom_killed") or t.get("evicted") for t in ran.values()), ran
+    trainer, evaluate = ran["train_policy"], ran["evaluate"]
+    assert trainer["component"] == "train_policy_on_nodes"  # the TrainJob variant's task
+    (created,) = cluster.created
+    assert created["spec"]["trainer"]["numNodes"] == 2
+    (job,) = cluster.jobs.values()
+    assert [n.phase for n in job.nodes] == ["Succeeded", "Succeeded"]
+    assert job.conditions[-1]["type"] == "Complete"
+    # The export went to the output's URI from the task itself (its pod path stayed empty), versioned.
+    (export,) = [uri for uri in trainer.get("not_uploaded", []) if uri.endswith("/policy")]
+    assert store.read_manifest(export)["layout"] == "versioned"
+    # Evaluate got it as the launcher mirrors it: the marker and the version, and loaded it from there.
+    mirror = Path(evaluate["pod"], "s3", export.removeprefix("s3://"))
+    assert sorted(os.listdir(mirror)) == [store.COMPLETE_MARKER, store.VERSIONS_DIR]
+    assert list(mirror.parent.glob(f".{mirror.name}.v-*"))  # the version it read, pinned flat beside it

