@@ -128,6 +128,57 @@ def test_a_frozen_server_ends_the_upload_within_the_budget(
     assert orphans == set() and uploads == [], (orphans, uploads)
 
 
+def test_the_next_write_removes_what_a_killed_writer_left(s3_env, seaweed, tmp_path, monkeypatch):
+    """A writer process is killed (SIGKILL) while its folder's large file goes up: its small file and an
+    open multipart upload stay under the folder. The next write of the folder, by another process, removes
+    both once they are older than the stale age (an hour by default, so that a live writer's are never
+    taken; 0 here, where the writer is known dead)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    uri = f"s3://{s3_env}/task/policy"
+    local = _folder(tmp_path / "model", os.urandom(40 * MIB))
+    script = textwrap.dedent(
+        f"""
+        from dynamicrubric import store
+        from dynamicrubric.store import s3
+        s3.MULTIPART_THRESHOLD = s3.PART_SIZE = 5 * 1024 * 1024
+        print("start", flush=True)
+        store.upload_dir({str(local)!r}, {uri!r})
+        print("finished", flush=True)
+        """
+    )
+    proxy = TcpProxy(seaweed.port, request_rate=0.5e6)  # a slow uplink: the parts take seconds each
+    endpoint = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"}
+    env = {**os.environ, **seaweed.env(), **endpoint, store.RETRY_BUDGET_ENV: "20"}
+    child = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    client = seaweed.client()
+    try:
+        assert child.stdout.readline().strip() == "start"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until its upload is open and its two small files are up
+            if (
+                client.list_multipart_uploads(Bucket=s3_env).get("Uploads")
+                and len(store.list_files(uri)) >= 2
+            ):
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the upload never got going")
+    finally:
+        child.kill()
+        child.wait()
+        proxy.close()
+    assert not store.is_complete(uri) and client.list_multipart_uploads(Bucket=s3_env).get("Uploads")
+    monkeypatch.setenv(store.STALE_UPLOAD_ENV, "0")
+    store.upload_dir(local, uri)
+    orphans, uploads = _leftovers(client, s3_env, uri)
+    assert orphans == set() and uploads == [], (orphans, uploads)
+    back = store.download_dir(uri, tmp_path / "back")
+    assert _files(back)["model.safetensors"] == (local / "model.safetensors").read_bytes()
+
+
 def _marker_put(data: bytes) -> bool:
     line = data.split(b"\r\n", 1)[0]
     return line.startswith(b"PUT ") and f"/{store.COMPLETE_MARKER} ".encode() in line
@@ -149,15 +200,24 @@ def test_a_stored_marker_whose_reply_is_lost_keeps_its_folder(s3_env, seaweed, t
         store.reset_client()
         local = _folder(tmp_path / "v2", os.urandom(MIB))
         started = time.monotonic()
-        store.upload_dir(local, uri)
-        assert time.monotonic() - started <= budget + store.FAILURE_SLACK_S
+        try:
+            store.upload_dir(local, uri)
+            gave_up = None
+        except store.StoreError as e:
+            gave_up = e
+        took = time.monotonic() - started
         assert proxy.held >= 1  # the reply really was lost
     finally:
         proxy.close()
         monkeypatch.setenv("AWS_ENDPOINT_URL", seaweed.endpoint)
         store.reset_client()
+    # The store's promise first, whatever the writer said: a folder marked complete reads back whole.
+    assert store.is_complete(uri)  # the marker was stored
     back = store.download_dir(uri, tmp_path / "back")  # each file checked against the marker's checksums
     assert _files(back)["model.safetensors"] == (local / "model.safetensors").read_bytes()
+    # And the writer found its marker stored, so the publish finished, within its budget and the slack.
+    assert gave_up is None, gave_up
+    assert took <= budget + store.FAILURE_SLACK_S
     orphans, uploads = _leftovers(seaweed.client(), s3_env, uri)
     assert orphans == set() and uploads == []
 

@@ -227,8 +227,10 @@ def upload_version(files: dict[str, Path], uri: str, token: str) -> dict[str, di
 def publish_version(uri: str, token: str, entries: dict[str, dict]) -> None:
     """Make version `token` (filled by upload_version, `entries` its files) the folder at `uri`: the
     marker naming it is written last; the version the marker named before is deleted (on S3), or
-    swapped out (locally). On S3 a marker write that got no answer is read back: stored, the publish
-    goes on; not shown stored, MarkerOutcomeUnknown (the version stays: the marker may yet name it)."""
+    swapped out (locally), and so are the versions of this process's failed writes of the folder and
+    those older than the stale age that no marker names (store/unpublished.py). On S3 a marker write
+    that got no answer is read back: stored, the publish goes on; not shown stored,
+    MarkerOutcomeUnknown (the version stays: the marker may yet name it)."""
     if is_s3(uri):
         previous = read_manifest(uri)
         try:
@@ -245,6 +247,8 @@ def publish_version(uri: str, token: str, entries: dict[str, dict]) -> None:
             log.info("%s: the marker's write got no answer but it is stored", uri)
         _delete_previous(uri, previous, token)
         unpublished.remove_failed(uri, token)
+        with contextlib.suppress(StoreError):  # and what dead writers of the folder left, once old
+            unpublished.clean_unpublished(uri)
         return
     version = unpublished.local_version(uri, token)
     try:

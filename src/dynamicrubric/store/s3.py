@@ -71,9 +71,9 @@ DEFAULT_READ_TIMEOUT_S = 60.0  # the longest an attempt waits for an answer (les
 CONNECT_TIMEOUT_ENV = "DYNRUBRIC_S3_CONNECT_TIMEOUT"
 # Also how long a request's body may stall (urllib3 sends under it): a slow connect is retried anyway.
 DEFAULT_CONNECT_TIMEOUT_S = 2.0
-MIN_ATTEMPT_S = 2.0  # an attempt's read timeout when (almost) nothing of the budget is left
+MIN_ATTEMPT_S = 2.0  # the least a call's first attempt waits for an answer, whatever its budget
 CLEANUP_BUDGET_S = 1.0  # each cleanup step of a failed write (an abort; the unpublished files' deletion)
-# See the module docstring: the last attempt's floor or a stalled send, the two cleanup steps, and 3 s
+# See the module docstring: the first attempt's floor or a stalled send, the two cleanup steps, and 3 s
 # for the retry loop's own waits and a loaded machine's scheduling.
 FAILURE_SLACK_S = max(MIN_ATTEMPT_S, DEFAULT_CONNECT_TIMEOUT_S) + 2 * CLEANUP_BUDGET_S + 3.0
 
@@ -236,9 +236,12 @@ def may_have_landed(err: StoreError) -> bool:
 
 
 @contextlib.contextmanager
-def _stream():
-    """Hold one of the process's STREAMS transfer slots (around one attempt: a retry's wait holds none)."""
+def _stream(stop: threading.Event | None = None):
+    """Hold one of the process's STREAMS transfer slots (around one attempt: a retry's wait holds none).
+    A part whose sibling failed while it waited for its slot does not start (`_in_parts`)."""
     with _streams:
+        if stop is not None and stop.is_set():
+            raise _Stopped("a sibling part failed")
         yield
 
 
@@ -305,13 +308,13 @@ def _upload(uri: str, bucket: str, key: str, source: bytes | Path) -> None:
         def attempt() -> dict:
             part = dict(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number)
             if isinstance(source, bytes):
-                with _stream():
+                with _stream(stop):
                     return _client().upload_part(**part, Body=source[offset : offset + PART_SIZE])
             # The part streamed from its window of the file (s3transfer's reader, as boto3's transfer
             # manager sends it): PART_CONCURRENCY parts in flight hold no part whole in memory.
             from s3transfer.utils import ReadFileChunk
 
-            with _stream(), ReadFileChunk.from_filename(str(source), offset, PART_SIZE) as body:
+            with _stream(stop), ReadFileChunk.from_filename(str(source), offset, PART_SIZE) as body:
                 return _client().upload_part(**part, Body=body)
 
         resp = _s3_call(uri, attempt, stop=stop)  # each part retried on its own, within its budget
@@ -332,28 +335,47 @@ def _upload(uri: str, bucket: str, key: str, source: bytes | Path) -> None:
         raise
 
 
+class _Stopped(StoreError):
+    """A part that did not start because a sibling part had failed (never raised to a caller)."""
+
+
 def _in_parts(fn: Callable[..., Any], items: list[tuple]) -> list[Any]:
     """fn(stop, *item) for every item, PART_CONCURRENCY at a time; the results in order. The first
-    failure sets `stop` (each part's retries end: see `_s3_call`), no part starts after it (a pool thread
-    freed by it would otherwise take the next part, with a budget of its own), and it is raised."""
-    stop = threading.Event()
+    failure sets `stop`: each part's retries end (`_s3_call`), no part starts after it (a pool thread
+    freed by it would otherwise take the next part, with a budget of its own), nor does a part that was
+    waiting for a transfer slot (`_stream`); that first failure is what is raised."""
+    stop, first, lock = threading.Event(), [], threading.Lock()
 
     def part(*item: Any) -> Any:
         if stop.is_set():
-            raise StoreError("a sibling part failed")  # never seen: the first failure is raised
+            raise _Stopped("a sibling part failed")
         try:
             return fn(stop, *item)
-        except BaseException:
+        except BaseException as e:
+            with lock:
+                if not first and not isinstance(e, _Stopped):
+                    first.append(e)
             stop.set()
             raise
 
     pool = ThreadPoolExecutor(PART_CONCURRENCY, thread_name_prefix="s3-part")
     try:
         futures = [pool.submit(part, *item) for item in items]
-        return [future.result() for future in futures]  # the first failure raises here ...
+        results, failed = [], None
+        for future in futures:
+            try:
+                results.append(future.result())
+            except BaseException as e:
+                failed = e
+                break
+        if failed is None:
+            return results
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)  # the parts in flight end first
+        raise first[0] if first else failed  # the first failure, its __cause__ (botocore's error) kept
     finally:
         stop.set()
-        pool.shutdown(wait=True, cancel_futures=True)  # ... once the parts in flight have ended
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _abort(uri: str, bucket: str, key: str, upload_id: str) -> None:
@@ -376,7 +398,7 @@ def _download_parts(uri: str, bucket: str, key: str, size: int, fd: int, chunk: 
         end = min(offset + PART_SIZE, size) - 1
 
         def attempt() -> None:
-            with _stream():
+            with _stream(stop):
                 body = _client().get_object(Bucket=bucket, Key=key, Range=f"bytes={offset}-{end}")["Body"]
                 try:
                     at = offset

@@ -1,6 +1,7 @@
 """Versions of a folder that no marker names (store/folders.py): a failed write's, removed at once where
 the store lets it, else by the next write of the folder in this process (`remove_failed`) or, for a
-process that died, by `clean_unpublished` on the stage's work prefix once they are old enough.
+process that died, once they are older than the stale age (DYNRUBRIC_S3_STALE_UPLOAD_S) by
+`clean_unpublished`, which the next write of the folder runs on it, and a node on its stage's work prefix.
 
 A version whose marker's write got no answer is none of these: the store may have stored that marker,
 or may yet store it (a frozen server holds the request), so its writer keeps it
@@ -64,21 +65,21 @@ def abandon_version(uri: str, token: str) -> None:
     except Exception as e:  # the store may be why the write failed
         log.warning("%s: could not remove the failed write's files (the next write of it will): %s", uri, e)
         with _failed_lock:
-            _failed.setdefault(uri, set()).add(token)
+            _failed.setdefault(uri.rstrip("/"), set()).add(token)
 
 
 def remove_failed(uri: str, token: str) -> None:
     """Once `token`'s marker is stored, the versions of this process's earlier failed writes of the
     folder go: no marker names them (their writes failed before sending one), and none ever will."""
     with _failed_lock:
-        tokens = _failed.pop(uri, set()) - {token}
+        tokens = _failed.pop(uri.rstrip("/"), set()) - {token}
     for old in sorted(tokens):
         try:
             discard_version(uri, old)
         except StoreError as e:
             log.warning("%s: could not remove a failed write's files: %s", uri, e)
             with _failed_lock:
-                _failed.setdefault(uri, set()).add(old)
+                _failed.setdefault(uri.rstrip("/"), set()).add(old)
 
 
 def marker_token(uri: str) -> str | None:
@@ -148,6 +149,8 @@ def clean_unpublished(prefix: str, older_than_s: float | None = None) -> tuple[i
                 continue  # the folder's published version
             s3._delete_keys(uri, bucket, keys)
             removed += 1
+            with _failed_lock:
+                _failed.get(uri, set()).discard(token)
         except StoreError as e:
             log.warning("%s: could not remove unpublished version %s: %s", uri, token, e)
     aborted = s3.abort_stale_uploads(prefix, older_than_s=age)
