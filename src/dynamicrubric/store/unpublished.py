@@ -121,8 +121,8 @@ def _age_s(token: str) -> float | None:
 
 
 def clean_unpublished(prefix: str, older_than_s: float | None = None) -> tuple[int, int]:
-    """Under `prefix` (a stage's work prefix `<out>.work`, as a node starts): delete every version of a
-    folder that its marker does not name and that is older than `older_than_s` (default
+    """Under `prefix` (a stage's work prefix `<out>.work` as a node starts; a folder its writer has just
+    published): delete every version of a folder that its marker does not name and that is older than `older_than_s` (default
     DYNRUBRIC_S3_STALE_UPLOAD_S, 1 hour: a younger one may belong to a live writer) or of one of this
     process's failed writes, and abort the unfinished multipart uploads as old. Returns (versions
     removed, uploads aborted); a local prefix has neither (a local writer's version is a temp folder
