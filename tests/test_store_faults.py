@@ -129,6 +129,36 @@ def test_a_frozen_server_ends_the_upload_within_the_budget(
     assert orphans == set() and uploads == [], (orphans, uploads)
 
 
+def test_a_frozen_server_ends_a_many_file_upload_within_the_budget(own_server, tmp_path, monkeypatch):
+    """A folder of 40 files, more than the 8 that go up at once, and the server frozen as the third
+    starts: once the first file fails no other starts (each would wait a budget of its own on the
+    frozen server), so the upload still ends within one budget plus the slack."""
+    budget = 5.0
+    monkeypatch.setenv(store.RETRY_BUDGET_ENV, str(budget))
+    local = tmp_path / "shards"
+    local.mkdir()
+    for i in range(40):
+        (local / f"shard-{i:02d}.bin").write_bytes(os.urandom(1024))
+    pid, sent, lock = own_server.proc.pid, [], threading.Lock()
+
+    def freeze_on_the_third_file(**kwargs):
+        with lock:
+            sent.append(1)
+            if len(sent) == 3:
+                os.killpg(pid, signal.SIGSTOP)
+
+    s3._client().meta.events.register("before-send.s3.PutObject", freeze_on_the_third_file)
+    started = time.monotonic()
+    try:
+        with pytest.raises(store.StoreError):
+            store.upload_dir(local, "s3://frozen/run/shards")
+        took = time.monotonic() - started
+    finally:
+        os.killpg(pid, signal.SIGCONT)
+    assert len(sent) >= 3
+    assert took <= budget + store.FAILURE_SLACK_S, f"failed after {took:.1f} s"
+
+
 def test_the_next_write_removes_what_a_killed_writer_left(s3_env, seaweed, tmp_path, monkeypatch):
     """A writer process is killed (SIGKILL) while its folder's large file goes up: its small files and an
     open multipart upload stay under the folder. The next write of the folder, by another process, removes

@@ -37,6 +37,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -202,12 +203,17 @@ def upload_version(files: dict[str, Path], uri: str, token: str) -> dict[str, di
         bucket, prefix = split_s3(uri.rstrip("/") + "/")
         mine = f"{prefix}{VERSIONS_DIR}/{token}/"
 
-        def send(rel: str, path: Path) -> dict:
+        def send_file(stop: threading.Event, rel: str, path: Path) -> dict:
             # The file's hash is taken while it goes up (hashlib frees the GIL), not before.
             with ThreadPoolExecutor(1, thread_name_prefix="store-hash") as hasher:
                 entry = hasher.submit(_entry, path)
-                s3._upload(uri, bucket, mine + rel, path)
+                s3._upload(uri, bucket, mine + rel, path, stop)
                 return entry.result()
+
+        # One stop for the whole write: once a file fails no other file or part starts (s3._in_parts),
+        # so a failure ends within the budget and its slack however many files the folder has.
+        sent = s3._in_parts(send_file, list(files.items()), workers=min(s3.STREAMS, len(files) or 1))
+        return dict(zip(files, sent, strict=True))
     else:
         version = unpublished.local_version(uri, token)
 

@@ -290,19 +290,23 @@ def _s3_call(
             _attempt.read_timeout = outer
 
 
-def _upload(uri: str, bucket: str, key: str, source: bytes | Path) -> None:
-    """One object from bytes or a local file: a PUT, or above MULTIPART_THRESHOLD a multipart upload."""
+def _upload(
+    uri: str, bucket: str, key: str, source: bytes | Path, stop: threading.Event | None = None
+) -> None:
+    """One object from bytes or a local file: a PUT, or above MULTIPART_THRESHOLD a multipart upload.
+    With `stop` (the write's, see `_in_parts`) it ends once another file of the same write failed."""
     size = len(source) if isinstance(source, bytes) else source.stat().st_size
     if size < MULTIPART_THRESHOLD:
         body = source if isinstance(source, bytes) else source.read_bytes()
 
         def put() -> None:
-            with _stream():
+            with _stream(stop):
                 _client().put_object(Bucket=bucket, Key=key, Body=body)
 
-        _s3_call(uri, put)
+        _s3_call(uri, put, stop=stop)
         return
-    upload_id = _s3_call(uri, _client().create_multipart_upload, Bucket=bucket, Key=key)["UploadId"]
+    create = _client().create_multipart_upload
+    upload_id = _s3_call(uri, create, Bucket=bucket, Key=key, stop=stop)["UploadId"]
 
     def send_part(stop: threading.Event, number: int, offset: int) -> dict:
         def attempt() -> dict:
@@ -321,7 +325,7 @@ def _upload(uri: str, bucket: str, key: str, source: bytes | Path) -> None:
         return {"ETag": resp["ETag"], "PartNumber": number}
 
     try:
-        parts = _in_parts(send_part, list(enumerate(range(0, size, PART_SIZE), start=1)))
+        parts = _in_parts(send_part, list(enumerate(range(0, size, PART_SIZE), start=1)), stop)
         _s3_call(
             uri,
             _client().complete_multipart_upload,
@@ -339,12 +343,16 @@ class _Stopped(StoreError):
     """A part that did not start because a sibling part had failed (never raised to a caller)."""
 
 
-def _in_parts(fn: Callable[..., Any], items: list[tuple]) -> list[Any]:
-    """fn(stop, *item) for every item, PART_CONCURRENCY at a time; the results in order. The first
-    failure sets `stop`: each part's retries end (`_s3_call`), no part starts after it (a pool thread
-    freed by it would otherwise take the next part, with a budget of its own), nor does a part that was
-    waiting for a transfer slot (`_stream`); that first failure is what is raised."""
-    stop, first, lock = threading.Event(), [], threading.Lock()
+def _in_parts(
+    fn: Callable[..., Any], items: list[tuple], stop: threading.Event | None = None, workers: int = 0
+) -> list[Any]:
+    """fn(stop, *item) for every item, `workers` (default PART_CONCURRENCY) at a time; the results in
+    order. The first failure sets `stop`: each part's retries end (`_s3_call`), no part starts after it
+    (a pool thread freed by it would otherwise take the next part, with a budget of its own), nor does
+    a part that was waiting for a transfer slot (`_stream`); that first failure is what is raised. A
+    caller's `stop` is shared: the files of one write and their parts all end when one fails."""
+    stop = threading.Event() if stop is None else stop
+    first, lock = [], threading.Lock()
 
     def part(*item: Any) -> Any:
         if stop.is_set():
@@ -358,7 +366,7 @@ def _in_parts(fn: Callable[..., Any], items: list[tuple]) -> list[Any]:
             stop.set()
             raise
 
-    pool = ThreadPoolExecutor(PART_CONCURRENCY, thread_name_prefix="s3-part")
+    pool = ThreadPoolExecutor(workers or PART_CONCURRENCY, thread_name_prefix="s3-part")
     try:
         futures = [pool.submit(part, *item) for item in items]
         results, failed = [], None
@@ -374,7 +382,6 @@ def _in_parts(fn: Callable[..., Any], items: list[tuple]) -> list[Any]:
         pool.shutdown(wait=True, cancel_futures=True)  # the parts in flight end first
         raise first[0] if first else failed  # the first failure, its __cause__ (botocore's error) kept
     finally:
-        stop.set()
         pool.shutdown(wait=True, cancel_futures=True)
 
 
