@@ -257,9 +257,8 @@ def _s3_call(
     """Call `fn`, retrying transient failures with exponential backoff (0.5 s doubling to 8 s) until
     the retry budget is spent; each attempt waits for an answer at most the time left (at most
     `timeout_s`, by default the read timeout, and an explicit `budget_s`; the first attempt at least
-    MIN_ATTEMPT_S within those). A permanent failure
-    (credentials, missing bucket) raises at once, and so does a transient one once `stop` is set (a
-    sibling part failed: the whole transfer is over)."""
+    MIN_ATTEMPT_S within those). A permanent failure (credentials, missing bucket) raises at once, and
+    so does a transient one once `stop` is set (a sibling part failed: the whole write is over)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     budget = retry_budget_s() if budget_s is None else budget_s
