@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -172,15 +174,26 @@ class TcpProxy:
     """A TCP proxy on loopback in front of `upstream_port`, as a network between a client and a server can
     be: `cut_after` drops the first connection once it has passed that many bytes of response (a download
     cut off mid-stream, as a network drop or a store restart cuts it); `request_rate` passes what clients
-    send at that many bytes a second at most, per connection (a slow uplink: uploads take long)."""
+    send at that many bytes a second at most, per connection (a slow uplink: uploads take long); `hold`,
+    given each chunk a client sends, returns None or the seconds to hold the answer to that request
+    before passing it on (a server that answers only when a long copy is done), math.inf for an answer
+    never passed on (a reply lost: the request reached the server; the client waits until it gives up).
+    `held` counts the answers held."""
 
-    def __init__(self, upstream_port: int, cut_after: int | None = None, request_rate: float | None = None):
+    def __init__(
+        self,
+        upstream_port: int,
+        cut_after: int | None = None,
+        request_rate: float | None = None,
+        hold: Callable[[bytes], float | None] | None = None,
+    ):
         self.upstream, self.cut_after, self.request_rate, self.cuts = (
             ("127.0.0.1", upstream_port),
             cut_after,
             request_rate,
             0,
         )
+        self.hold, self.held = hold, 0
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -192,10 +205,13 @@ class TcpProxy:
             except OSError:
                 return  # closed
             server = socket.create_connection(self.upstream)
-            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+            # One request at a time per HTTP connection: the hold a request asked for applies to the next
+            # answer; `closed` ends a hold when either side hangs up.
+            conn = {"hold": None, "closed": threading.Event()}
+            threading.Thread(target=self._pump, args=(client, server, False, conn), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, True, conn), daemon=True).start()
 
-    def _pump(self, src, dst, response: bool) -> None:
+    def _pump(self, src, dst, response: bool, conn: dict) -> None:
         passed, started = 0, time.monotonic()
         try:
             while data := src.recv(1 << 16):
@@ -203,11 +219,19 @@ class TcpProxy:
                 if response and self.cut_after is not None and not self.cuts and passed > self.cut_after:
                     self.cuts += 1
                     break
+                if not response and self.hold is not None and (seconds := self.hold(data)) is not None:
+                    conn["hold"] = seconds
+                if response and conn["hold"] is not None:
+                    seconds, conn["hold"] = conn["hold"], None
+                    self.held += 1
+                    if conn["closed"].wait(None if seconds == math.inf else seconds):
+                        break  # the client gave up first: the answer is lost
                 if not response and self.request_rate:
                     time.sleep(max(0.0, started + passed / self.request_rate - time.monotonic()))
                 dst.sendall(data)
         except OSError:
             pass
+        conn["closed"].set()
         for sock in (src, dst):  # shutdown first: it wakes the other pump's recv and sends the FIN
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)

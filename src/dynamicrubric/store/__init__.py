@@ -12,6 +12,8 @@ The package, by job:
   list, and the pre-flight `check_writable`.
 - `folders`: folders published whole behind a completion marker, and a stage's outputs as a set.
 - `copies`: a complete folder copied to another URI (server-side on S3), published as a folder.
+- `unpublished`: the versions no marker names: a failed write's, removed at once or by the next write,
+  and `clean_unpublished`, which clears a work prefix of dead writers' versions and uploads.
 
 Callers use the names re-exported here (`store.write_bytes(...)`, `from dynamicrubric.store import
 StoreError`). A test that replaces a module-level name must replace it in the module that looks it up
@@ -37,7 +39,6 @@ from dynamicrubric.store.folders import (
     COMPLETE_MARKER,
     VERSIONS_DIR,
     delete_dir,
-    discard_version,
     download_dir,
     folder_file,
     folder_files,
@@ -54,30 +55,38 @@ from dynamicrubric.store.locks import held_for_writing
 from dynamicrubric.store.s3 import (
     DEFAULT_RETRY_BUDGET_S,
     DEFAULT_STALE_UPLOAD_S,
+    FAILURE_SLACK_S,
     MULTIPART_THRESHOLD,
     PART_SIZE,
+    READ_TIMEOUT_ENV,
     RETRY_BUDGET_ENV,
     STALE_UPLOAD_ENV,
     abort_stale_uploads,
+    read_timeout_s,
     reset_client,
     retry_budget_s,
 )
+from dynamicrubric.store.unpublished import MarkerOutcomeUnknown, clean_unpublished, discard_version
 from dynamicrubric.store.uris import StoreError, canonical, is_s3, join, local_path, split_s3, within
 
 __all__ = [
     "COMPLETE_MARKER",
     "DEFAULT_RETRY_BUDGET_S",
     "DEFAULT_STALE_UPLOAD_S",
+    "FAILURE_SLACK_S",
     "MULTIPART_THRESHOLD",
     "PART_SIZE",
+    "READ_TIMEOUT_ENV",
     "RETRY_BUDGET_ENV",
     "STALE_UPLOAD_ENV",
     "VERSIONS_DIR",
+    "MarkerOutcomeUnknown",
     "StoreError",
     "abort_stale_uploads",
     "canonical",
     "held_for_writing",
     "check_writable",
+    "clean_unpublished",
     "copy_dir",
     "copy_file",
     "delete",
@@ -99,6 +108,7 @@ __all__ = [
     "publish_version",
     "read_bytes",
     "read_manifest",
+    "read_timeout_s",
     "reset_client",
     "retry_budget_s",
     "split_s3",

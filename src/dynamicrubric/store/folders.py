@@ -44,6 +44,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -52,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import dynamicrubric.store.s3 as s3
+import dynamicrubric.store.unpublished as unpublished
 from dynamicrubric.store.files import (
     _dir_mode,
     _file_digest,
@@ -64,13 +66,12 @@ from dynamicrubric.store.files import (
     upload_file,
     write_bytes,
 )
+from dynamicrubric.store.unpublished import COMPLETE_MARKER, VERSIONS_DIR
 from dynamicrubric.store.uris import StoreError, is_s3, join, local_path, short_name, split_s3
 
 # Named after the package, as the logger was before the store became one, so log lines read the same.
 log = logging.getLogger(__package__)
 
-COMPLETE_MARKER = "_COMPLETE"
-VERSIONS_DIR = "_versions"  # on S3, each writer's files of a folder live under _versions/<token>/
 FLAT, VERSIONED = "flat", "versioned"  # a manifest's layouts: files beside the marker, or in its version
 
 
@@ -167,7 +168,9 @@ def folder_files(local_dir: Path) -> dict[str, Path]:
 
 def upload_dir(local_dir: str | Path, uri: str) -> None:
     """Publish a local folder at `uri` whole, its completion marker (the manifest) last. An interrupted
-    copy stays invisible; concurrent writers never mix (see the module docstring)."""
+    copy stays invisible; concurrent writers never mix (see the module docstring). A failed write
+    removes its files (or, where the store does not answer, the next write of the folder does); one
+    whose marker may have been stored keeps them (MarkerOutcomeUnknown)."""
     local_dir = Path(local_dir)
     files = folder_files(local_dir)
     token = new_token()
@@ -177,21 +180,27 @@ def upload_dir(local_dir: str | Path, uri: str) -> None:
             write_bytes(str(dest / COMPLETE_MARKER), _manifest(token, files, FLAT))
             return
     try:
-        publish_version(uri, token, upload_version(files, uri, token))
+        entries = upload_version(files, uri, token)
     except BaseException:
-        with contextlib.suppress(Exception):
-            discard_version(uri, token)
+        unpublished.abandon_version(uri, token)
+        raise
+    publish_or_abandon(uri, token, entries)
+
+
+def publish_or_abandon(uri: str, token: str, entries: dict[str, dict]) -> None:
+    """publish_version; if it fails before its marker could be stored, the version is abandoned."""
+    try:
+        publish_version(uri, token, entries)
+    except unpublished.MarkerOutcomeUnknown:
+        raise  # the marker may name it: never deleted here
+    except StoreError:
+        unpublished.abandon_version(uri, token)
         raise
 
 
 def new_token() -> str:
     """A new writer's token: the name of the version of a folder it fills (upload_version)."""
     return f"{time.time_ns():x}-{uuid.uuid4().hex[:12]}"  # time-ordered, then random: unique per writer
-
-
-def _local_version(uri: str, token: str) -> Path:
-    dest = local_path(uri)
-    return dest.parent / f".{short_name(dest.name)}.{token}.tmp"
 
 
 def upload_version(files: dict[str, Path], uri: str, token: str) -> dict[str, dict]:
@@ -203,14 +212,19 @@ def upload_version(files: dict[str, Path], uri: str, token: str) -> dict[str, di
         bucket, prefix = split_s3(uri.rstrip("/") + "/")
         mine = f"{prefix}{VERSIONS_DIR}/{token}/"
 
-        def send(rel: str, path: Path) -> dict:
+        def send_file(stop: threading.Event, rel: str, path: Path) -> dict:
             # The file's hash is taken while it goes up (hashlib frees the GIL), not before.
             with ThreadPoolExecutor(1, thread_name_prefix="store-hash") as hasher:
                 entry = hasher.submit(_entry, path)
-                s3._upload(uri, bucket, mine + rel, path)
+                s3._upload(uri, bucket, mine + rel, path, stop)
                 return entry.result()
+
+        # One stop for the whole write: once a file fails no other file or part starts (s3._in_parts),
+        # so a failure ends within the budget and its slack however many files the folder has.
+        sent = s3._in_parts(send_file, list(files.items()), workers=min(s3.STREAMS, len(files) or 1))
+        return dict(zip(files, sent, strict=True))
     else:
-        version = _local_version(uri, token)
+        version = unpublished.local_version(uri, token)
 
         def send(rel: str, path: Path) -> dict:
             target = version / rel
@@ -228,13 +242,30 @@ def upload_version(files: dict[str, Path], uri: str, token: str) -> dict[str, di
 def publish_version(uri: str, token: str, entries: dict[str, dict]) -> None:
     """Make version `token` (filled by upload_version, `entries` its files) the folder at `uri`: the
     marker naming it is written last; the version the marker named before is deleted (on S3), or
-    swapped out (locally)."""
+    swapped out (locally), and so are the versions of this process's failed writes of the folder and
+    those older than the stale age that no marker names (store/unpublished.py). On S3 a marker write
+    that got no answer is read back: stored, the publish goes on; not shown stored,
+    MarkerOutcomeUnknown (the version stays: the marker may yet name it)."""
     if is_s3(uri):
         previous = read_manifest(uri)
-        write_bytes(join(uri, COMPLETE_MARKER), _manifest_bytes(token, VERSIONED, entries))
+        try:
+            write_bytes(join(uri, COMPLETE_MARKER), _manifest_bytes(token, VERSIONED, entries))
+        except StoreError as e:
+            if not s3.may_have_landed(e):
+                raise  # refused: never stored
+            named = unpublished.marker_token(uri)
+            if named != token:
+                said = "could not be read back" if named is None else f"names version {named}"
+                raise unpublished.MarkerOutcomeUnknown(
+                    f"{e}; the marker {said}, so whether it was stored is unknown: version {token} is kept"
+                ) from e
+            log.info("%s: the marker's write got no answer but it is stored", uri)
         _delete_previous(uri, previous, token)
+        unpublished.remove_failed(uri, token)
+        with contextlib.suppress(StoreError):  # and what dead writers of the folder left, once old
+            unpublished.clean_unpublished(uri)
         return
-    version = _local_version(uri, token)
+    version = unpublished.local_version(uri, token)
     try:
         version.mkdir(parents=True, exist_ok=True)  # a folder of no files has no version yet
         (version / COMPLETE_MARKER).write_bytes(_manifest_bytes(token, FLAT, entries))
@@ -247,15 +278,6 @@ def publish_version(uri: str, token: str, entries: dict[str, dict]) -> None:
         _swap_in(version, local_path(uri), uri)
     finally:
         shutil.rmtree(version, ignore_errors=True)  # after a swap, this is the folder it replaced
-
-
-def discard_version(uri: str, token: str) -> None:
-    """Delete the files of a version that will never be published (its writer failed)."""
-    if is_s3(uri):
-        bucket, prefix = split_s3(uri.rstrip("/") + "/")
-        s3._delete_keys(uri, bucket, s3._list_keys(uri, bucket, f"{prefix}{VERSIONS_DIR}/{token}/"))
-    else:
-        shutil.rmtree(_local_version(uri, token), ignore_errors=True)
 
 
 def _entry(path: Path) -> dict:

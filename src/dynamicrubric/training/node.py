@@ -21,6 +21,7 @@ from pathlib import Path
 from dynamicrubric import store
 from dynamicrubric.infra import logs
 from dynamicrubric.infra.config_loading import config_from_yaml
+from dynamicrubric.training.checkpoints import work_prefix
 from dynamicrubric.training.data import TrainingJob, trainee
 from dynamicrubric.training.launcher import Rendezvous, TrainingError, run_node
 
@@ -47,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         f"node {node.node_rank} of {node.num_nodes}: rank 0 at {node.master_addr}:{node.master_port}",
         flush=True,
     )
+    if node.node_rank == 0:  # before any writer of this attempt: what failed or killed writers left
+        work = work_prefix(job.out_uri)
+        removed, aborted = store.clean_unpublished(work)
+        print(f"{work}: removed {removed} unpublished version(s), aborted {aborted} upload(s)", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         return run_node(cfg, job, a.result, Path(tmp), node)
 
