@@ -98,7 +98,6 @@ def test_unreachable_endpoint_is_one_line(monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
-    monkeypatch.setenv("DYNRUBRIC_S3_MAX_ATTEMPTS", "2")
     monkeypatch.setenv(store.RETRY_BUDGET_ENV, "0")
     store.reset_client()
     try:
@@ -239,7 +238,7 @@ def test_server_killed_mid_write_leaves_no_partial_object(tmp_path, monkeypatch)
             print("finished", flush=True)
             """
         )
-        env = {**os.environ, **server.env(), "DYNRUBRIC_S3_MAX_ATTEMPTS": "1", store.RETRY_BUDGET_ENV: "0"}
+        env = {**os.environ, **server.env(), store.RETRY_BUDGET_ENV: "0"}
         child = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
         assert child.stdout.readline().strip() == "start"
         deadline = time.monotonic() + 30
