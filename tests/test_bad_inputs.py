@@ -1150,7 +1150,9 @@ def _stop_midway(argv: list[str], tmp_path: Path, ready: str, sig: int, group: b
     tmpdir = tmp_path / "TMP"
     tmpdir.mkdir()
     mark = uuid.uuid4().hex
-    env = {**os.environ, "TMPDIR": str(tmpdir), "DYNRUBRIC_TEST_MARK": mark}
+    # DYNRUBRIC_TERMINAL: the output is a pipe, and "Loading weights" (transformers' bar, the moment the
+    # models load) shows only where a person watches (infra/logs.py)
+    env = {**os.environ, "TMPDIR": str(tmpdir), "DYNRUBRIC_TEST_MARK": mark, "DYNRUBRIC_TERMINAL": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "dynamicrubric.cli", *argv],
         stdout=subprocess.PIPE,

@@ -486,7 +486,11 @@ def test_a_generator_fault_costs_rewards_never_changes_them(
         hits = generator.injected()[fault]
         assert ledger["retries"] == hits and ledger[outcome] == 0 and step.values == clean_g["values"]
     if transient and rate == 1.0:  # retried until the step's budget ran out
-        assert ledger["retries"] > 0 and ledger["ok"] == 0
+        # A content fault is the honest reply altered, so a try lasts a rubric's generation: on a loaded
+        # machine the first tries came back with less than the first backoff (0.5 s) left and, rightly,
+        # were not retried (CI: 3.7 s against a 3.0 s budget). A try back in time is retried.
+        first_backoff_s = 0.5
+        assert ledger["ok"] == 0 and (ledger["retries"] > 0 or step.seconds >= deadline - first_backoff_s)
     if step.error is not None:
         lost = _ended_in_one_line(step, "generator", generator, "rubrics", "train-policy")
         assert lost == len(failed_groups)
