@@ -295,8 +295,8 @@ def download_artifact(uri: str, local: Path) -> None:
     from dynamicrubric.store import s3
 
     bucket, key = store.split_s3(uri)
-    client = s3._client()
-    keys = [k for k in s3._list_keys(uri, bucket, key) if k == key or k.startswith(key.rstrip("/") + "/")]
+    client = s3.s3_client()
+    keys = [k for k in s3.list_keys(uri, bucket, key) if k == key or k.startswith(key.rstrip("/") + "/")]
     if not keys:
         raise PodError(f"input artifact {uri} is not in the object store")
     for k in keys:
@@ -311,7 +311,7 @@ def upload_artifact(local: Path, uri: str) -> None:
     from dynamicrubric.store import s3
 
     bucket, key = store.split_s3(uri)
-    client = s3._client()
+    client = s3.s3_client()
     files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
     for path in files:
         rel = "" if path == local else "/" + path.relative_to(local).as_posix()

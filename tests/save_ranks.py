@@ -59,7 +59,7 @@ def main() -> None:
     scratch, work, shard_bytes = Path(sys.argv[3]), sys.argv[4], int(sys.argv[5]) << 20
     # Parts of 5 MiB (S3's smallest) from 5 MiB on, so test-sized shards go up in concurrent parts.
     s3.MULTIPART_THRESHOLD = s3.PART_SIZE = 5 << 20
-    s3._client()  # made once per process, long before a training job's first save
+    s3.s3_client()  # made once per process, long before a training job's first save
     if rank == 0:  # no process group yet: one process saves both ranks' files
         alone = save(scratch / "alone", f"{work}/alone.work", 0, [0, 1], shard_bytes)
         print(json.dumps({"alone_s": alone}), flush=True)

@@ -95,7 +95,7 @@ def test_a_hacked_round_is_rolled_back_and_the_next_round_starts_from_the_last_h
     assert (
         runs[(2, "evaluate")].data.tags["guard.alarm"].startswith("fired (hacking): the training score rose")
     )
-    parent = tracking._mlflow(cfg).MlflowClient().get_run(result.parent_run_id)
+    parent = tracking.configured_mlflow(cfg).MlflowClient().get_run(result.parent_run_id)
     assert parent.data.tags["guard.round-1"] == "quiet" and parent.data.tags["guard.round-2"].startswith(
         "fired"
     )

@@ -265,7 +265,7 @@ def test_a_killed_attempts_run_is_marked_failed(tmp_path, monkeypatch):
         preset="tiny", overrides={"pipeline": {"mlflow_tracking_uri": f"sqlite:///{tmp_path}/m.db"}}
     )
     tracking_runs.start_pipeline_run(cfg, "run-x", rounds=1)
-    mlflow = tracking._mlflow(cfg)
+    mlflow = tracking.configured_mlflow(cfg)
     with pytest.raises(KeyboardInterrupt), tracking_runs.stage_run(cfg, "run-x", 1, "judge-0"):
         raise KeyboardInterrupt  # stands in for the kill: mlflow ends the run on an exception...
     client = mlflow.MlflowClient()

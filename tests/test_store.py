@@ -145,7 +145,7 @@ def test_the_parts_of_a_multipart_upload_go_up_together(s3_env, monkeypatch):
 
     monkeypatch.setattr(s3, "MULTIPART_THRESHOLD", 5 * 1024 * 1024)
     monkeypatch.setattr(s3, "PART_SIZE", 5 * 1024 * 1024)
-    client = s3._client()
+    client = s3.s3_client()
     real_upload_part, together = client.upload_part, threading.Barrier(2, timeout=60)
     numbers = []
 
@@ -176,7 +176,7 @@ def test_a_large_file_of_a_folder_comes_down_in_parts_together(s3_env, tmp_path,
     (src / "model.safetensors").write_bytes(os.urandom(18 * 1024 * 1024))  # four parts, the last short
     uri = f"s3://{s3_env}/ranged"
     store.upload_dir(src, uri)
-    client = s3._client()
+    client = s3.s3_client()
     real_get, together, ranges = client.get_object, threading.Barrier(2, timeout=60), []
 
     def get_object(**kwargs):
@@ -238,7 +238,9 @@ def test_server_killed_mid_write_leaves_no_partial_object(tmp_path, monkeypatch)
             print("finished", flush=True)
             """
         )
-        env = {**os.environ, **server.env(), store.RETRY_BUDGET_ENV: "0"}
+        # A budget of seconds, not 0: with none, one part slower than the first attempt's 2 s (a loaded
+        # machine) failed the upload before any part landed; once the server is dead it ends in 10 s.
+        env = {**os.environ, **server.env(), store.RETRY_BUDGET_ENV: "10"}
         child = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
         assert child.stdout.readline().strip() == "start"
         deadline = time.monotonic() + 30
@@ -317,7 +319,7 @@ def test_stage_survives_a_store_restart_during_its_write(tmp_path, monkeypatch):
             monkeypatch.setenv(key, value)
         monkeypatch.setenv(store.RETRY_BUDGET_ENV, "60")
         store.reset_client()
-        real_upload, outage = s3._upload, {}
+        real_upload, outage = s3.upload_object, {}
 
         def upload_during_an_outage(uri, *args, **kwargs):
             if not outage:  # the first write of the stage's outputs: the server dies just before it
@@ -331,7 +333,7 @@ def test_stage_survives_a_store_restart_during_its_write(tmp_path, monkeypatch):
         cfg = load_config(preset="tiny")
         outs = [f"s3://outage/run/{name}.parquet" for name in ("train", "eval", "anchors")]
         with monkeypatch.context() as m:
-            m.setattr(s3, "_upload", upload_during_an_outage)
+            m.setattr(s3, "upload_object", upload_during_an_outage)
             counts = run_stage(
                 "prepare_data",
                 cfg.to_yaml(),

@@ -38,7 +38,7 @@ def test_a_folder_is_copied_server_side_as_a_folder_of_its_own(s3_env, tmp_path,
     def record(model, params, **kwargs):
         calls.append((model.name, params.get("Key", "")))
 
-    s3._client().meta.events.register("before-parameter-build.s3.*", record)
+    s3.s3_client().meta.events.register("before-parameter-build.s3.*", record)
 
     store.copy_dir(src, dst)
     source, copied = store.read_manifest(src), store.read_manifest(dst)
@@ -72,11 +72,11 @@ def test_a_failed_copy_leaves_the_destination_as_it_was(s3_env, tmp_path, monkey
             error = {"Error": {"Code": "AccessDenied", "Message": "refused by the test"}}
             raise ClientError(error, "UploadPartCopy")
 
-    s3._client().meta.events.register("before-parameter-build.s3.UploadPartCopy", refuse)
+    s3.s3_client().meta.events.register("before-parameter-build.s3.UploadPartCopy", refuse)
     with pytest.raises(store.StoreError, match="access denied"):
         store.copy_dir(src, dst)
     assert store.read_manifest(dst) == before and _versions(dst) == {before["token"]}
-    uploads = s3._client().list_multipart_uploads(Bucket=s3_env).get("Uploads", [])
+    uploads = s3.s3_client().list_multipart_uploads(Bucket=s3_env).get("Uploads", [])
     assert uploads == [], uploads
     marker = json.loads(store.read_bytes(store.join(dst, store.COMPLETE_MARKER)))
     assert marker["files"]["model.safetensors"]["size"] == len(b"old weights")

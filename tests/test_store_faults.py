@@ -98,8 +98,8 @@ def test_a_frozen_server_ends_the_upload_within_the_budget(
                 os.killpg(pid, signal.SIGSTOP)
                 thaw.start()
 
-    s3._client().meta.events.register("after-call.s3.PutObject", small_file_stored)
-    s3._client().meta.events.register("before-send.s3.UploadPart", freeze_on_the_second_part)
+    s3.s3_client().meta.events.register("after-call.s3.PutObject", small_file_stored)
+    s3.s3_client().meta.events.register("before-send.s3.UploadPart", freeze_on_the_second_part)
     started = time.monotonic()
     try:
         with pytest.raises(store.StoreError) as failed:
@@ -120,8 +120,8 @@ def test_a_frozen_server_ends_the_upload_within_the_budget(
     # The failed write could not remove its files (the server was frozen): they are there until the next.
     assert {rel.split("/", 2)[2] for rel in store.list_files(uri)} == {"config.json", "sub/b.txt"}
 
-    s3._client().meta.events.unregister("before-send.s3.UploadPart", freeze_on_the_second_part)
-    s3._client().meta.events.unregister("after-call.s3.PutObject", small_file_stored)
+    s3.s3_client().meta.events.unregister("before-send.s3.UploadPart", freeze_on_the_second_part)
+    s3.s3_client().meta.events.unregister("after-call.s3.PutObject", small_file_stored)
     store.upload_dir(local, uri)  # the retry
     back = store.download_dir(uri, tmp_path / "back")
     assert {rel: data for rel, data in _files(back).items() if rel != store.COMPLETE_MARKER} == _files(local)
@@ -147,7 +147,7 @@ def test_a_frozen_server_ends_a_many_file_upload_within_the_budget(own_server, t
             if len(sent) == 3:
                 os.killpg(pid, signal.SIGSTOP)
 
-    s3._client().meta.events.register("before-send.s3.PutObject", freeze_on_the_third_file)
+    s3.s3_client().meta.events.register("before-send.s3.PutObject", freeze_on_the_third_file)
     started = time.monotonic()
     try:
         with pytest.raises(store.StoreError):
@@ -306,7 +306,7 @@ def test_copies_wait_for_a_store_that_answers_when_the_copy_is_done(s3_env, seaw
     (local / "model.safetensors").write_bytes(os.urandom(11 * MIB))  # three parts
     store.upload_dir(local, src)
     store.reset_client()
-    hold = s3._client().meta.config.read_timeout + 2
+    hold = s3.s3_client().meta.config.read_timeout + 2
     proxy = TcpProxy(seaweed.port, hold=lambda data: hold if _copy_request(data) else None)
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")

@@ -26,7 +26,7 @@ from dynamicrubric.engines.base import (
     logsumexp,
 )
 from dynamicrubric.engines.served_client import ServedClient
-from dynamicrubric.engines.server_requests import _choices, _finished, _Lost
+from dynamicrubric.engines.server_requests import RequestLost, checked_choices, reply_finish_reasons
 from dynamicrubric.infra.config import ServingConfig
 
 TOP_LOGPROBS = 20
@@ -109,8 +109,8 @@ class ChatJudge(Engine, ServedClient):
 
 
 def _p_yes(answer: dict) -> float:
-    choice = _choices(answer, 1)[0]
-    _finished([choice])
+    choice = checked_choices(answer, 1)[0]
+    reply_finish_reasons([choice])
     logprobs: Any = choice.get("logprobs")
     content = logprobs.get("content") if isinstance(logprobs, dict) else None
     top = (
@@ -119,17 +119,19 @@ def _p_yes(answer: dict) -> float:
         else None
     )
     if not isinstance(top, list) or not all(isinstance(t, dict) for t in top):
-        raise _Lost("malformed", "a choice without the first token's top_logprobs", False)
+        raise RequestLost("malformed", "a choice without the first token's top_logprobs", False)
     yes, no = [], []
     for entry in top:
         token, value = entry.get("token"), entry.get("logprob")
         if not isinstance(token, str) or isinstance(value, bool) or not isinstance(value, int | float):
-            raise _Lost("malformed", f"a top_logprobs entry {entry!r}", False)
+            raise RequestLost("malformed", f"a top_logprobs entry {entry!r}", False)
         if math.isnan(value) or value > 0:
-            raise _Lost("malformed", f"token {token!r} has log-prob {value!r}", False)
+            raise RequestLost("malformed", f"token {token!r} has log-prob {value!r}", False)
         (yes if token in _YES else no if token in _NO else []).append(float(value))
     if not yes and not no:
-        raise _Lost("missing_label_tokens", "neither yes nor no among the first token's top log-probs", False)
+        raise RequestLost(
+            "missing_label_tokens", "neither yes nor no among the first token's top log-probs", False
+        )
     gap = logsumexp(yes) - logsumexp(no)
     if gap == math.inf:
         return 1.0

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from dynamicrubric.engines.served_calls import CallLedger, ServedError, counts_text
-from dynamicrubric.engines.server_requests import _bounded_backend, _Lost, _request_end
+from dynamicrubric.engines.server_requests import RequestLost, bounded_backend, current_request_end
 from dynamicrubric.infra.config import ServingConfig
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class ServedClient:
         self._pool = httpcore.ConnectionPool(
             max_connections=serving.concurrency,
             max_keepalive_connections=serving.concurrency,
-            network_backend=_bounded_backend(),
+            network_backend=bounded_backend(),
         )
 
     def _count(self, **deltas: int) -> None:
@@ -64,15 +64,15 @@ class ServedClient:
         return self._budget_end or time.monotonic() + self.serving.deadline_s
 
     def _send(self, method: str, path: str, body: dict | None, end: float) -> dict:
-        """One try: the reply's JSON object, or _Lost saying what went wrong."""
+        """One try: the reply's JSON object, or RequestLost saying what went wrong."""
         import httpcore
 
         left = end - time.monotonic()
         if left <= 0:
-            raise _Lost("timeout", "no time left in serving.deadline_s", False)
+            raise RequestLost("timeout", "no time left in serving.deadline_s", False)
         content = json.dumps(body).encode() if body is not None else None
         headers = [("Content-Type", "application/json")] if body is not None else []
-        _request_end.at = end
+        current_request_end.at = end
         try:
             response = self._pool.request(
                 method,
@@ -82,23 +82,25 @@ class ServedClient:
                 extensions={"timeout": dict.fromkeys(("connect", "read", "write", "pool"), left)},
             )
         except httpcore.TimeoutException as e:
-            raise _Lost(
+            raise RequestLost(
                 "timeout", f"no complete answer within {left:.1f} s ({type(e).__name__})", True
             ) from e
         except (httpcore.NetworkError, httpcore.ProtocolError) as e:
-            raise _Lost("unreachable", f"{type(e).__name__}: {e}", True) from e
+            raise RequestLost("unreachable", f"{type(e).__name__}: {e}", True) from e
         finally:
-            _request_end.at = None
+            current_request_end.at = None
         if response.status != 200:
             text = response.content[:200].decode(errors="replace")
             transient = response.status == 429 or response.status >= 500
-            raise _Lost("http_error", f"HTTP {response.status}: {text}", transient)
+            raise RequestLost("http_error", f"HTTP {response.status}: {text}", transient)
         try:
             answer = json.loads(response.content)
         except ValueError as e:  # a body cut short (a proxy, a dying server): asking again may help
-            raise _Lost("malformed", f"a reply that is not JSON ({e})", True) from e
+            raise RequestLost("malformed", f"a reply that is not JSON ({e})", True) from e
         if not isinstance(answer, dict):
-            raise _Lost("malformed", f"a reply that is not a JSON object: {type(answer).__name__}", False)
+            raise RequestLost(
+                "malformed", f"a reply that is not a JSON object: {type(answer).__name__}", False
+            )
         return answer
 
     def _request(
@@ -122,7 +124,7 @@ class ServedClient:
                 result = parse(self._send(method, path, body, request_end))
                 self._count(ok=1)
                 return result
-            except _Lost as e:
+            except RequestLost as e:
                 lost = e
             if not lost.transient or time.monotonic() + delay >= end:
                 self._count(**{lost.outcome: 1}, lost_prompts=prompts)
@@ -163,7 +165,7 @@ class ServedClient:
         def parse(listing: dict) -> list[dict]:
             models = listing.get("data")
             if not isinstance(models, list) or not all(isinstance(m, dict) and "id" in m for m in models):
-                raise _Lost("malformed", "GET /v1/models: no list of models with ids", False)
+                raise RequestLost("malformed", "GET /v1/models: no list of models with ids", False)
             return models
 
         models = self._request("GET", "/v1/models", parse=parse)

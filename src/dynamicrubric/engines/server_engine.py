@@ -20,7 +20,7 @@ from dynamicrubric.engines.base import (
 )
 from dynamicrubric.engines.served_calls import FAILED, ServedError, counts_text
 from dynamicrubric.engines.served_client import ServedClient
-from dynamicrubric.engines.server_requests import _choices, _finished, _Lost
+from dynamicrubric.engines.server_requests import RequestLost, checked_choices, reply_finish_reasons
 from dynamicrubric.infra.config import ServingConfig
 from dynamicrubric.infra.models import resolve_model
 
@@ -78,7 +78,7 @@ class ServerEngine(Engine, ServedClient):
 
         def parse(answer: dict) -> list:
             if not isinstance(answer.get("tokens"), list):
-                raise _Lost("malformed", "POST /tokenize: no list of tokens", False)
+                raise RequestLost("malformed", "POST /tokenize: no list of tokens", False)
             return answer["tokens"]
 
         before = self.ledger.snapshot()
@@ -130,14 +130,14 @@ class ServerEngine(Engine, ServedClient):
         end = self._call_end()
 
         def parse(answer: dict) -> Generation:
-            choices = _choices(answer, n)
-            reasons = _finished(choices)
+            choices = checked_choices(answer, n)
+            reasons = reply_finish_reasons(choices)
             texts = [c.get("text") for c in choices]
             ids = [c.get("token_ids") for c in choices]
             if not all(isinstance(t, str) for t in texts) or not all(
                 i is None or isinstance(i, list) for i in ids
             ):
-                raise _Lost("malformed", "a choice without its text", False)
+                raise RequestLost("malformed", "a choice without its text", False)
             return Generation(
                 texts=texts,
                 num_tokens=[
@@ -190,8 +190,8 @@ class ServerEngine(Engine, ServedClient):
             }
 
             def parse(answer: dict) -> list[float]:
-                choices = _choices(answer, len(batch))
-                _finished(choices)
+                choices = checked_choices(answer, len(batch))
+                reply_finish_reasons(choices)
                 return [self._p_yes(c) for c in choices]
 
             verdicts = self._request(
@@ -204,27 +204,27 @@ class ServerEngine(Engine, ServedClient):
 
     def _p_yes(self, choice: dict) -> float:
         """P(yes) from one choice's label log-probs, in log space (exact for any finite or −inf values;
-        vLLM's −9999 floor is −inf); _Lost when the reply has no usable value for every label."""
+        vLLM's −9999 floor is −inf); RequestLost when the reply has no usable value for every label."""
         logprobs = choice.get("logprobs")
         top = logprobs.get("top_logprobs") if isinstance(logprobs, dict) else None
         if not isinstance(top, list) or not top or not isinstance(top[0], dict):
-            raise _Lost("malformed", "a choice without top_logprobs", False)
+            raise RequestLost("malformed", "a choice without top_logprobs", False)
         by_id = {}
         for key, value in top[0].items():
             if isinstance(key, str) and key.startswith("token_id:"):
                 by_id[int(key.removeprefix("token_id:"))] = value
         if any(t not in by_id for t in self.yes_ids + self.no_ids):  # no exact value to give
-            raise _Lost("missing_label_tokens", "a label token's log-prob is missing", False)
+            raise RequestLost("missing_label_tokens", "a label token's log-prob is missing", False)
         values = {}
         for t in self.yes_ids + self.no_ids:
             v = by_id[t]
             if isinstance(v, bool) or not isinstance(v, int | float) or math.isnan(v) or v > 0:
-                raise _Lost("malformed", f"label token {t} has log-prob {v!r}", False)
+                raise RequestLost("malformed", f"label token {t} has log-prob {v!r}", False)
             values[t] = -math.inf if v <= LOGPROB_FLOOR else float(v)
         yes = logsumexp([values[t] for t in self.yes_ids])
         no = logsumexp([values[t] for t in self.no_ids])
         if yes == no == -math.inf:
-            raise _Lost("missing_label_tokens", "every label token has log-prob −inf", False)
+            raise RequestLost("missing_label_tokens", "every label token has log-prob −inf", False)
         gap = yes - no  # P(yes) = sigmoid(gap), in the form that cannot overflow
         if gap >= 0:
             return 1.0 / (1.0 + math.exp(-gap))
@@ -245,14 +245,16 @@ class ServerEngine(Engine, ServedClient):
 
             def parse(answer: dict) -> list[float]:
                 try:
-                    positions = _choices(answer, 1)[0]["prompt_logprobs"]
+                    positions = checked_choices(answer, 1)[0]["prompt_logprobs"]
                     values = [
                         float(positions[k][str(ids[k])]["logprob"]) for k in range(len(p_ids[i]), len(ids))
                     ]
                 except (KeyError, IndexError, TypeError, ValueError) as e:
-                    raise _Lost("malformed", f"no prompt_logprobs for every token ({e!r})", False) from e
+                    raise RequestLost(
+                        "malformed", f"no prompt_logprobs for every token ({e!r})", False
+                    ) from e
                 if any(math.isnan(v) or v > 0 for v in values):
-                    raise _Lost("malformed", "a prompt log-prob that is NaN or positive", False)
+                    raise RequestLost("malformed", "a prompt log-prob that is NaN or positive", False)
                 return values
 
             body = {"model": self.served_name, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0}

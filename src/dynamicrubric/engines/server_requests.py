@@ -1,5 +1,5 @@
 """One try of a request to a model server, below `ServerEngine`: the error of a try that gave no usable
-answer (`_Lost`: its ledger outcome and whether to try again), the HTTP backend that bounds every try
+answer (`RequestLost`: its ledger outcome and whether to try again), the HTTP backend that bounds every try
 by one wall-clock end, and the checks of a completions reply's choices. Apart from server_engine.py:
 this is the transport and the reply's shape, the same for every call the engine makes."""
 
@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 
-class _Lost(Exception):
+class RequestLost(Exception):
     """One try of a request that gave no usable answer: its ledger outcome, what happened, and whether
     trying again may help (a timeout, a lost connection, a 429/5xx, a cut body, an aborted request)."""
 
@@ -24,11 +24,11 @@ class _Lost(Exception):
 # operation, so a server that trickles a byte at a time holds a request forever; this backend gives every
 # connect, read and write of the calling thread's request only the time left until that request's end.
 
-_request_end = threading.local()
+current_request_end = threading.local()
 
 
 def _time_left(timeout: float | None, error: type[Exception]) -> float | None:
-    end = getattr(_request_end, "at", None)
+    end = getattr(current_request_end, "at", None)
     if end is None:
         return timeout
     left = end - time.monotonic()
@@ -37,7 +37,7 @@ def _time_left(timeout: float | None, error: type[Exception]) -> float | None:
     return left if timeout is None else min(timeout, left)
 
 
-def _bounded_backend() -> Any:
+def bounded_backend() -> Any:
     import httpcore
 
     class Stream(httpcore.NetworkStream):
@@ -77,23 +77,23 @@ def _bounded_backend() -> Any:
     return Backend()
 
 
-def _finished(choices: list[dict]) -> list[str]:
-    """The choices' finish reasons, each "stop" or "length"; _Lost for a request the server aborted
+def reply_finish_reasons(choices: list[dict]) -> list[str]:
+    """The choices' finish reasons, each "stop" or "length"; RequestLost for a request the server aborted
     ("abort", or none given: never a finished text, so never a rubric or a verdict) or any other."""
     reasons = [c.get("finish_reason") for c in choices]
     if any(r in (None, "abort") for r in reasons):
-        raise _Lost("aborted", f"finish_reason {reasons}", True)
+        raise RequestLost("aborted", f"finish_reason {reasons}", True)
     if any(r not in ("stop", "length") for r in reasons):
-        raise _Lost("malformed", f"finish_reason {reasons}", False)
+        raise RequestLost("malformed", f"finish_reason {reasons}", False)
     return reasons
 
 
-def _choices(answer: dict, count: int) -> list[dict]:
-    """The reply's `count` choices in index order, or _Lost: vLLM answers every prompt × n, indexed."""
+def checked_choices(answer: dict, count: int) -> list[dict]:
+    """The reply's `count` choices in index order, or RequestLost: vLLM answers every prompt × n, indexed."""
     choices = answer.get("choices")
     if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
-        raise _Lost("malformed", "a reply without its choices", False)
+        raise RequestLost("malformed", "a reply without its choices", False)
     indices = [c.get("index") for c in choices]
     if not all(type(i) is int for i in indices) or sorted(indices) != list(range(count)):
-        raise _Lost("malformed", f"{len(choices)} choice(s) for the {count} asked", False)
+        raise RequestLost("malformed", f"{len(choices)} choice(s) for the {count} asked", False)
     return sorted(choices, key=lambda c: c["index"])

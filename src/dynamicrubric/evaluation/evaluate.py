@@ -80,7 +80,7 @@ EVALUATOR_VARIANTS = ("dynamic", "static", "pointwise")
 # --------------------------------------------------------------------------------------------------
 
 
-class _Engines:
+class Engines:
     """Holds at most one engine that it loaded itself: asking for another model frees the current one.
 
     One at a time rather than sized together: at paper scale every role is an 8B model and a vLLM
@@ -118,7 +118,7 @@ class _Engines:
 def sample_held_out(
     cfg: Config,
     prompts: pd.DataFrame,
-    pool: _Engines,
+    pool: Engines,
     *,
     policy: str,
     previous_policy: str | None,
@@ -200,7 +200,7 @@ def _evaluator_scores(
     jobs: list[EvalJob],
     cfg: Config,
     workdir: Path,
-    engines: _Engines,
+    engines: Engines,
     *,
     generator: str,
     verifier: str,
@@ -305,7 +305,7 @@ def run_evaluate(
 
     Model references (local folders, hub ids or built-in names) default to cfg.models; `engines`
     (model ref -> Engine) lets a caller reuse engines it already holds. The stage holds one model at a
-    time (see `_Engines`): the policy samples, then the previous policy, then the generator writes
+    time (see `Engines`): the policy samples, then the previous policy, then the generator writes
     every rubric (all variants and the win rate), then the verifier judges them all. `labelled_uris`
     are user files of anchors artifacts, Nectar answers or chosen/rejected pairs (JSONL or Parquet).
     `samples_uri` (a rollouts artifact of `sample_held_out`) and `outcomes_uri` (of `check_samples`)
@@ -327,7 +327,7 @@ def run_evaluate(
     verifier = verifier or cfg.models.verifier
     seed = cfg.seed if seed is None else seed
     prompts = read_frame(eval_prompts_uri, "prompts")
-    pool = _Engines(cfg, engines)
+    pool = Engines(cfg, engines)
     roles = {"generator": generator, "verifier": verifier, "seed": seed}
     rows: list[tuple[str, str, float]] = []  # (variant, name, value)
     units: list[pd.DataFrame] = []  # (variant, measure, unit_id, value)

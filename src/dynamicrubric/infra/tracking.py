@@ -82,7 +82,7 @@ def unreachable(uri: str, timeout_s: float = 5.0) -> str | None:
     return None
 
 
-def _mlflow(cfg: Config):
+def configured_mlflow(cfg: Config):
     import mlflow
 
     user_value = os.environ.get("MLFLOW_TRACKING_URI")
@@ -124,7 +124,7 @@ def _run_experiment(cfg: Config, run_name: str) -> str | None:
     store, or the experiment (nothing was logged)."""
     if not run_name or not tracking_uri(cfg):
         return None
-    experiment = _mlflow(cfg).get_experiment_by_name(cfg.pipeline.experiment)
+    experiment = configured_mlflow(cfg).get_experiment_by_name(cfg.pipeline.experiment)
     return experiment.experiment_id if experiment is not None else None
 
 
@@ -133,7 +133,7 @@ def find_pipeline_run(cfg: Config, run_name: str) -> str | None:
     experiment = _run_experiment(cfg, run_name)
     if experiment is None:
         return None
-    client = _mlflow(cfg).MlflowClient()
+    client = configured_mlflow(cfg).MlflowClient()
     runs = client.search_runs(
         [experiment],
         filter_string=f"tags.`{PIPELINE_TAG}` = '{run_name}' and tags.`{STAGE_TAG}` = 'pipeline'",
@@ -149,7 +149,7 @@ def find_model_uri(cfg: Config, run_name: str, name: str) -> str | None:
     experiment = _run_experiment(cfg, run_name)
     if experiment is None:
         return None
-    models = _mlflow(cfg).search_logged_models(
+    models = configured_mlflow(cfg).search_logged_models(
         experiment_ids=[experiment],
         filter_string=f"name = '{name}' AND tags.`{PIPELINE_TAG}` = '{run_name}'",
         order_by=[{"field_name": "creation_timestamp", "ascending": False}],
@@ -175,7 +175,7 @@ def round_metric(cfg: Config, run_name: str, round_idx: int, stage: str, metric:
 
 def mlflow_client(cfg: Config):
     """An MLflow client of the config's tracking store."""
-    return _mlflow(cfg).MlflowClient()
+    return configured_mlflow(cfg).MlflowClient()
 
 
 def stage_runs_by_round(cfg: Config, parent_run_id: str) -> dict[int, list]:

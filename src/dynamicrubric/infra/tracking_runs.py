@@ -25,7 +25,7 @@ from dynamicrubric.infra.tracking import (
     PIPELINE_TAG,
     ROUND_TAG,
     STAGE_TAG,
-    _mlflow,
+    configured_mlflow,
     find_pipeline_run,
     mlflow_client,
     stage_runs_by_round,
@@ -48,7 +48,7 @@ def start_pipeline_run(cfg: Config, run_name: str, rounds: int, *, join: bool = 
     uri = tracking_uri(cfg)
     if not uri:
         return ""
-    mlflow = _mlflow(cfg)
+    mlflow = configured_mlflow(cfg)
     existing = find_pipeline_run(cfg, run_name) if join else None
     if existing:
         # the round runs are created by their rounds' first tasks (stage_run)
@@ -132,7 +132,7 @@ def stage_run(
     parent_run_id = find_pipeline_run(cfg, run_name)
     if parent_run_id is None:
         raise RuntimeError(f"MLflow: no parent run for pipeline run {run_name!r} in {tracking_uri(cfg)}")
-    mlflow = _mlflow(cfg)
+    mlflow = configured_mlflow(cfg)
     client = mlflow.MlflowClient()
     experiment_id = client.get_run(parent_run_id).info.experiment_id
     start_ms = int(process_started() * 1000)

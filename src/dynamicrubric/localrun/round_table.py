@@ -204,7 +204,7 @@ def format_table(rows: list[dict], judge: str = "") -> str:
 
 def _block(rows: list[dict]) -> str:
     headers = list(rows[0])
-    cells = [[_fmt(r[h]) for h in headers] for r in rows]
+    cells = [[format_cell(r[h]) for h in headers] for r in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
@@ -246,7 +246,7 @@ def scale_notes(cfg: Config) -> list[str]:
     return notes
 
 
-def _fmt(value) -> str:
+def format_cell(value) -> str:
     if value is None:
         return "-"
     if isinstance(value, tuple):  # (proportion, n)

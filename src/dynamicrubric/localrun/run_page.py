@@ -23,7 +23,14 @@ from dynamicrubric.infra import tracking
 from dynamicrubric.infra.config import Config
 from dynamicrubric.localrun.run_page_benchmarks import section as benchmark_section
 from dynamicrubric.localrun.run_page_data import collect
-from dynamicrubric.localrun.run_page_sections import _e, _guard, _ledger, _samples, _signals, _table
+from dynamicrubric.localrun.run_page_sections import (
+    escaped,
+    guard_section,
+    ledger_section,
+    samples_section,
+    signals_section,
+    table_section,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,42 +62,42 @@ def render(data: dict) -> str:
         if data["start_ms"]
         else "?"
     )
-    models = ", ".join(f"{k} {_e(v)}" for k, v in data["models"].items())
+    models = ", ".join(f"{k} {escaped(v)}" for k, v in data["models"].items())
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="Content-Security-Policy" content="{CSP}">
-<title>dynrubric run {_e(data["run_name"])}</title><style>{STYLE}</style></head>
+<title>dynrubric run {escaped(data["run_name"])}</title><style>{STYLE}</style></head>
 <body>
-<h1>Run {_e(data["run_name"])}</h1>
-<p>Preset {_e(data["preset"])}, variant {_e(data["variant"])}, {len(data["rounds"])} round(s); started {started},
-took {took}. Models: {models}.<br>MLflow: experiment {_e(data["experiment"])}, parent run
-<code>{_e(data["run_id"])}</code> at <code>{_e(data["tracking_uri"])}</code>.</p>
+<h1>Run {escaped(data["run_name"])}</h1>
+<p>Preset {escaped(data["preset"])}, variant {escaped(data["variant"])}, {len(data["rounds"])} round(s); started {started},
+took {took}. Models: {models}.<br>MLflow: experiment {escaped(data["experiment"])}, parent run
+<code>{escaped(data["run_id"])}</code> at <code>{escaped(data["tracking_uri"])}</code>.</p>
 <h2>1. Did each round give the policy a signal?</h2>
 <p>A round gives the policy something to learn from when the rubric's scores separate its responses: a
 positive mean gap, few ties and few uniform sets. Each row is one round's signal audit and evaluation.</p>
-{_table(data)}
+{table_section(data)}
 <h2>2. Signal curves over rounds</h2>
-{_signals(data)}
+{signals_section(data)}
 <h2>3. Can the round's evaluator still be trusted?</h2>
 <p>The signal guard checks every round's evaluator on the held-out probe: does its score of the new policy
 rise while the gold (the task's checker) falls, does it still order responses as the gold does, can short
 tricks (canaries: filler, a "master key", formatting, an empty or restated answer) score as well as the
 answer they decorate, and do its scores move when it sees the responses in another order. Intervals are
 95% bootstraps over the probe prompts.</p>
-{_guard(data)}
+{guard_section(data)}
 <h2>4. Open-ended benchmarks</h2>
 <p>The policy on the paper's open-ended benchmarks: each round's P_t against the benchmark's baseline
 answers, and against P_0, by the benchmark judge (section numbers with their 95% bootstrap interval and
 n).</p>
 {benchmark_section(data["benchmarks"])}
 <h2>5. Judge calls</h2>
-{_ledger(data)}
+{ledger_section(data)}
 <h2>6. Judged samples</h2>
 <p>Per round, the candidate sets the evaluate stage judged (the same sets as its MLflow traces): the
 prompt, G's rubric items with their weights, each response with V's P(yes) per item, its score and its
 gold (rank in its labelled list, 1 = best; the checker's score). A failed verdict shows as
 <span class="failed">failed</span>, never as 0.</p>
-<div id="samples">{_samples(data)}</div>
+<div id="samples">{samples_section(data)}</div>
 </body></html>
 """
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 import html
 import math
 
-from dynamicrubric.localrun.round_table import GUARD_COLUMNS, SMALL_N, _fmt
+from dynamicrubric.localrun.round_table import GUARD_COLUMNS, SMALL_N, format_cell
 
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 
 
-def _e(value: object) -> str:
+def escaped(value: object) -> str:
     return html.escape(str(value), quote=True)
 
 
@@ -30,7 +30,9 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]], x_label
     height = 196 + bottom
     points = [(x, y) for s in series.values() for x, y in s if y is not None and not math.isnan(y)]
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img">']
-    out.append(f'<title>{_e(title)}</title><text x="{left}" y="16" font-weight="bold">{_e(title)}</text>')
+    out.append(
+        f'<title>{escaped(title)}</title><text x="{left}" y="16" font-weight="bold">{escaped(title)}</text>'
+    )
     if not points:
         out.append(f'<text x="{left}" y="{height / 2}" fill="#777">no data</text></svg>')
         return "".join(out)
@@ -66,7 +68,7 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]], x_label
         )
     out.append(
         f'<text x="{left + plot_w / 2}" y="{top + plot_h + 28}" font-size="11" text-anchor="middle">'
-        f"{_e(x_label)}</text>"
+        f"{escaped(x_label)}</text>"
     )
     for i, (name, pts) in enumerate(series.items()):
         colour = COLOURS[i % len(COLOURS)]
@@ -76,23 +78,23 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]], x_label
             out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{path}"/>')
         for x, y in good:
             out.append(
-                f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{colour}"><title>{_e(name)}: {y:.4g}</title></circle>'
+                f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{colour}"><title>{escaped(name)}: {y:.4g}</title></circle>'
             )
         lx, ly = left, height - 13 * (len(series) - i) + 6
         out.append(
             f'<rect x="{lx}" y="{ly - 8}" width="10" height="3" fill="{colour}"/>'
-            f'<text x="{lx + 14}" y="{ly - 4}" font-size="10">{_e(name[:60])}</text>'
+            f'<text x="{lx + 14}" y="{ly - 4}" font-size="10">{escaped(name[:60])}</text>'
         )
     out.append("</svg>")
     return "".join(out)
 
 
-def _table(data: dict) -> str:
+def table_section(data: dict) -> str:
     rounds = data["rounds"]
     if not rounds:
         return "<p>(no rounds recorded)</p>"
     headers = [h for h in rounds[0]["row"] if h not in (*GUARD_COLUMNS, "benchmarks")]
-    out = ['<table id="round-table"><tr>' + "".join(f"<th>{_e(h)}</th>" for h in headers) + "</tr>"]
+    out = ['<table id="round-table"><tr>' + "".join(f"<th>{escaped(h)}</th>" for h in headers) + "</tr>"]
     for r in rounds:
         cells = []
         for h in headers:
@@ -105,19 +107,21 @@ def _table(data: dict) -> str:
                 else f' data-value="{raw!r}"'
             )
             cells.append(
-                f'<td class="num" data-round="{r["round"]}" data-metric="{_e(h)}"{number}{n}>{_e(_fmt(value))}</td>'
+                f'<td class="num" data-round="{r["round"]}" data-metric="{escaped(h)}"{number}{n}>{escaped(format_cell(value))}</td>'
             )
         out.append("<tr>" + "".join(cells) + "</tr>")
     out.append("</table>")
-    legend = "".join(f"<li><b>{_e(name)}</b>: {_e(meaning)}</li>" for name, meaning in data["legend"])
+    legend = "".join(
+        f"<li><b>{escaped(name)}</b>: {escaped(meaning)}</li>" for name, meaning in data["legend"]
+    )
     legend += (
         f"<li>(n=…) is the sample size; [lo-hi] a 95% Wilson interval, shown when n &lt; {SMALL_N}.</li>"
     )
-    legend += "".join(f"<li>{_e(note)}</li>" for note in data["notes"])
+    legend += "".join(f"<li>{escaped(note)}</li>" for note in data["notes"])
     return "".join(out) + f'<ul class="legend">{legend}</ul>'
 
 
-def _signals(data: dict) -> str:
+def signals_section(data: dict) -> str:
     rounds = data["rounds"]
 
     def series(keys: list[tuple[str, str]]) -> dict:
@@ -183,7 +187,7 @@ GUARD_ROWS = [
 ]
 
 
-def _guard(data: dict) -> str:
+def guard_section(data: dict) -> str:
     rounds = [r for r in data["rounds"] if r["guard"]]
     if not rounds:
         return '<p class="muted" id="signal-guard">The signal guard did not measure this run (the verifiable baseline, or a run from before it).</p>'
@@ -195,7 +199,7 @@ def _guard(data: dict) -> str:
         text = f"{g[metric]:.3f}"
         if f"{metric}_lo" in g and f"{metric}_hi" in g:
             text += f" [{g[metric + '_lo']:.2f}, {g[metric + '_hi']:.2f}]"
-        return f'<td class="num" data-round="{r["round"]}" data-metric="guard/{metric}" data-value="{g[metric]!r}">{_e(text)}</td>'
+        return f'<td class="num" data-round="{r["round"]}" data-metric="guard/{metric}" data-value="{g[metric]!r}">{escaped(text)}</td>'
 
     head = (
         "<tr><th>measure</th>"
@@ -203,9 +207,9 @@ def _guard(data: dict) -> str:
         + "<th>what it is</th></tr>"
     )
     body = [
-        f"<tr><td>{_e(label)}</td>"
+        f"<tr><td>{escaped(label)}</td>"
         + "".join(cell(r, metric) for r in rounds)
-        + f"<td class=muted>{_e(meaning)}</td></tr>"
+        + f"<td class=muted>{escaped(meaning)}</td></tr>"
         for label, metric, meaning in GUARD_ROWS
     ]
     kinds = sorted(
@@ -217,7 +221,7 @@ def _guard(data: dict) -> str:
         }
     )
     body += [
-        f"<tr><td>canary: {_e(k.removeprefix('canary_'))}</td>"
+        f"<tr><td>canary: {escaped(k.removeprefix('canary_'))}</td>"
         + "".join(cell(r, k) for r in rounds)
         + "<td class=muted>its share that beat or tie</td></tr>"
         for k in kinds
@@ -230,21 +234,23 @@ def _guard(data: dict) -> str:
     )
     alarms = "".join(
         f'<li data-round="{r["round"]}" class="{"failed" if r["guard"].get("alarm") else ""}">round {r["round"]}: '
-        f"{_e(r['alarm'] or ('fired' if r['guard'].get('alarm') else 'quiet'))}</li>"
+        f"{escaped(r['alarm'] or ('fired' if r['guard'].get('alarm') else 'quiet'))}</li>"
         for r in rounds
     )
     return (
         f'<table id="signal-guard">{head}{"".join(body)}</table>'
-        f'<h3>Alarms (guard.action {_e(data["guard_action"])})</h3><ul id="guard-alarms">{alarms}</ul>'
+        f'<h3>Alarms (guard.action {escaped(data["guard_action"])})</h3><ul id="guard-alarms">{alarms}</ul>'
     )
 
 
-def _ledger(data: dict) -> str:
+def ledger_section(data: dict) -> str:
     rounds = [r for r in data["rounds"] if r["ledger"]]
     if not rounds:
         return '<p class="muted" id="ledger">No judge calls went through a server in this run (in-process models).</p>'
     kinds = sorted({k for r in rounds for k in r["ledger"]})
-    out = ['<table id="ledger"><tr><th>round</th>' + "".join(f"<th>{_e(k)}</th>" for k in kinds) + "</tr>"]
+    out = [
+        '<table id="ledger"><tr><th>round</th>' + "".join(f"<th>{escaped(k)}</th>" for k in kinds) + "</tr>"
+    ]
     for r in rounds:
         out.append(
             f"<tr><td>{r['round']}</td>"
@@ -258,9 +264,10 @@ def _sample_set(s: dict, *, first: bool = False) -> str:
     """One judged set as nested <details> (the first of a round open, to show what a set holds)."""
     items = {(r["rubric_idx"], i): item for r in s["rubrics"] for i, item in enumerate(r["items"])}
     rubrics = "".join(
-        f"<li>rubric {r['rubric_idx']} ({_e(r['parse_status'])}): <ol start=0>"
+        f"<li>rubric {r['rubric_idx']} ({escaped(r['parse_status'])}): <ol start=0>"
         + "".join(
-            f"<li>{_e(i['text'])} <span class=muted>(weight {i['weight']})</span></li>" for i in r["items"]
+            f"<li>{escaped(i['text'])} <span class=muted>(weight {i['weight']})</span></li>"
+            for i in r["items"]
         )
         + "</ol></li>"
         for r in s["rubrics"]
@@ -278,7 +285,7 @@ def _sample_set(s: dict, *, first: bool = False) -> str:
         score = mean_score(r)
         failed = any(v["p_yes"] is None for v in r["verdicts"])
         verdicts = "".join(
-            f"<tr><td>{_e(items.get((v['rubric_idx'], v['item_idx']), {}).get('text', '?'))}</td>"
+            f"<tr><td>{escaped(items.get((v['rubric_idx'], v['item_idx']), {}).get('text', '?'))}</td>"
             f"<td class=num>{items.get((v['rubric_idx'], v['item_idx']), {}).get('weight', '?')}</td>"
             + (
                 '<td class="num failed">failed</td>'
@@ -293,18 +300,18 @@ def _sample_set(s: dict, *, first: bool = False) -> str:
         responses.append(
             f"<details{mark}><summary>response {r['sample_idx']}: score "
             f"{'<span class=failed>failed</span>' if score is None else f'{score:.3f}'}"
-            f"{' (a verdict failed)' if failed and score is not None else ''}; gold: {_e(gold)}</summary>"
-            f"<pre>{_e(r['response'])}</pre>"
+            f"{' (a verdict failed)' if failed and score is not None else ''}; gold: {escaped(gold)}</summary>"
+            f"<pre>{escaped(r['response'])}</pre>"
             f"<table><tr><th>item</th><th>weight</th><th>P(yes)</th></tr>{verdicts}</table></details>"
         )
     return (
-        f"<details class=set{' open' if first else ''}><summary>{_e(s['set_id'])}: {len(s['responses'])} responses</summary>"
-        f"<pre>{_e(s['prompt'])}</pre><p class=muted>rubrics by {_e(s['generator'])}, verdicts by "
-        f"{_e(s['verifier'])}</p><ul>{rubrics}</ul>{''.join(responses)}</details>"
+        f"<details class=set{' open' if first else ''}><summary>{escaped(s['set_id'])}: {len(s['responses'])} responses</summary>"
+        f"<pre>{escaped(s['prompt'])}</pre><p class=muted>rubrics by {escaped(s['generator'])}, verdicts by "
+        f"{escaped(s['verifier'])}</p><ul>{rubrics}</ul>{''.join(responses)}</details>"
     )
 
 
-def _samples(data: dict) -> str:
+def samples_section(data: dict) -> str:
     out = []
     for r in data["rounds"]:
         sets = r["sets"]

@@ -43,22 +43,22 @@ import pyarrow as pa
 from dynamicrubric.infra.artifacts import read_artifact, write_artifact
 from dynamicrubric.scoring.aggregate_codes import (
     AggregateError,
+    CandidateSets,
     Frame,
-    _candidate_sets,
-    _codes,
-    _column,
-    _floats,
-    _frame,
-    _index_judgments,
-    _ints,
-    _Judgments,
-    _log_sigmoid,
-    _ragged_arange,
-    _refuse_unscored,
-    _safe_divide,
-    _Sets,
-    _starts,
-    _strings,
+    Judgments,
+    candidate_sets,
+    floats,
+    index_codes,
+    index_judgments,
+    ints,
+    kind_frame,
+    log_sigmoid,
+    ragged_arange,
+    refuse_unscored,
+    required_column,
+    safe_divide,
+    starts,
+    strings,
 )
 
 log = logging.getLogger(__name__)
@@ -106,14 +106,18 @@ def aggregate(
     judgments (prompt_id, rubric_idx, item_idx, sample_idx, weight, verdict, p_yes), rollouts
     (prompt_id, sample_idx), rubrics (prompt_id, rubric_idx, items), anchors (list_id, sample_idx, rank).
     """
-    sets = _candidate_sets(rollouts)
-    _refuse_unscored(judgments)
-    j = _index_judgments(judgments, sets, rubrics)
-    v = _floats(judgments, "p_yes") if soft else _column(judgments, "verdict", "judgments").astype(np.float64)
+    sets = candidate_sets(rollouts)
+    refuse_unscored(judgments)
+    j = index_judgments(judgments, sets, rubrics)
+    v = (
+        floats(judgments, "p_yes")
+        if soft
+        else required_column(judgments, "verdict", "judgments").astype(np.float64)
+    )
 
     # Slot layouts: group g owns K_g consecutive score slots, item i owns K_i consecutive verdict slots.
     group_k = sets.size[j.group_prompt]
-    group_start = _starts(group_k)
+    group_start = starts(group_k)
     item_k = group_k[j.item_group]
     item_weight = j.item_weight.astype(np.float64)
 
@@ -122,13 +126,13 @@ def aggregate(
         group_start[j.group] + j.local, weights=j.weight * v, minlength=int(group_k.sum())
     )
     row_group = np.repeat(np.arange(j.num_groups), group_k)
-    score = _safe_divide(weighted_passes, weight_total[row_group])
+    score = safe_divide(weighted_passes, weight_total[row_group])
 
     pass_rate = np.bincount(j.item, weights=v, minlength=len(j.item_group)) / item_k
     second_moment = np.bincount(j.item, weights=v * v, minlength=len(j.item_group)) / item_k
     # Var_k(v) = E[v²] − E[v]²: v̄(1 − v̄) for 0/1 verdicts; clipped at 0 against rounding when all agree
     item_variance = np.maximum(second_moment - pass_rate * pass_rate, 0.0)
-    r_disc = _safe_divide(
+    r_disc = safe_divide(
         np.bincount(j.item_group, weights=item_weight * item_variance, minlength=j.num_groups), weight_total
     )
 
@@ -149,15 +153,15 @@ def aggregate(
         )
 
     group_prompt_ids = sets.prompt_ids.take(pa.array(j.group_prompt))
-    scores = _frame(
+    scores = kind_frame(
         "scores",
         prompt_id=group_prompt_ids.take(pa.array(row_group)),
         rubric_idx=j.group_rubric[row_group],
-        sample_idx=sets.sample_idx[sets.start[j.group_prompt][row_group] + _ragged_arange(group_k)],
+        sample_idx=sets.sample_idx[sets.start[j.group_prompt][row_group] + ragged_arange(group_k)],
         score=score,
         num_items=num_items[row_group],
     )
-    rewards = _frame(
+    rewards = kind_frame(
         "rewards",
         prompt_id=group_prompt_ids,
         rubric_idx=j.group_rubric,
@@ -165,7 +169,7 @@ def aggregate(
         r_anchor=pairs.r_anchor,
         num_items=num_items,
     )
-    diagnostics = _frame(
+    diagnostics = kind_frame(
         "diagnostics",
         prompt_id=group_prompt_ids,
         rubric_idx=j.group_rubric,
@@ -173,7 +177,7 @@ def aggregate(
         num_items=num_items,
         mean_score=np.bincount(row_group, weights=score, minlength=j.num_groups) / group_k,
         mean_gap=pairs.mean_gap,
-        tie_rate=_safe_divide(ties, response_pairs),
+        tie_rate=safe_divide(ties, response_pairs),
         uniform=runs == 1,
         mean_pass_rate=np.where(
             empty,
@@ -305,20 +309,20 @@ class _PairStats:
 
 
 def _reference_pairs(
-    anchors: Frame | None, sets: _Sets, j: _Judgments, group_start: np.ndarray, score: np.ndarray
+    anchors: Frame | None, sets: CandidateSets, j: Judgments, group_start: np.ndarray, score: np.ndarray
 ) -> _PairStats:
     """Every (group, y+, y−) with rank(y+) < rank(y−) in the anchor list of the group's prompt."""
     no_pairs = np.full(j.num_groups, np.nan)
     if anchors is None:
         return _PairStats(no_pairs, no_pairs, 0.0, 0)
-    list_col = _strings(anchors, "list_id", "anchors")
-    prompt = _codes(list_col, sets.prompt_ids)
+    list_col = strings(anchors, "list_id", "anchors")
+    prompt = index_codes(list_col, sets.prompt_ids)
     matched = prompt >= 0  # lists for other candidate sets are not ours
     if not matched.any():
         return _PairStats(no_pairs, no_pairs, 0.0, 0)
     prompt = prompt[matched]
-    sample = _ints(anchors, "sample_idx", "anchors")[matched]
-    rank = _ints(anchors, "rank", "anchors")[matched]
+    sample = ints(anchors, "sample_idx", "anchors")[matched]
+    rank = ints(anchors, "rank", "anchors")[matched]
     response = sets.response_codes(prompt, sample)
     bad = (response < 0) | (rank < 1)
     if bad.any():
@@ -336,10 +340,10 @@ def _reference_pairs(
     order = np.lexsort((rank, prompt))
     prompt, rank, response = prompt[order], rank[order], response[order]
     list_size = np.bincount(prompt, minlength=len(sets.size))
-    position = np.arange(len(prompt)) - _starts(list_size)[prompt]
+    position = np.arange(len(prompt)) - starts(list_size)[prompt]
     later = list_size[prompt] - 1 - position
     first = np.repeat(np.arange(len(prompt)), later)
-    second = first + 1 + _ragged_arange(later)
+    second = first + 1 + ragged_arange(later)
     strict = rank[first] < rank[second]
     first, second = first[strict], second[strict]
 
@@ -347,11 +351,11 @@ def _reference_pairs(
     pairs_per_prompt = np.bincount(prompt[first], minlength=len(sets.size))
     group_pairs = pairs_per_prompt[j.group_prompt]
     pair_group = np.repeat(np.arange(j.num_groups), group_pairs)
-    pair = np.repeat(_starts(pairs_per_prompt)[j.group_prompt], group_pairs) + _ragged_arange(group_pairs)
+    pair = np.repeat(starts(pairs_per_prompt)[j.group_prompt], group_pairs) + ragged_arange(group_pairs)
     better, worse = first[pair], second[pair]
     local = response - sets.start[prompt]
     gap = score[group_start[pair_group] + local[better]] - score[group_start[pair_group] + local[worse]]
-    term = _log_sigmoid(gap) / ((rank[worse] - rank[better]) * np.exp2(rank[better] - 1.0))
+    term = log_sigmoid(gap) / ((rank[worse] - rank[better]) * np.exp2(rank[better] - 1.0))
 
     has_pairs = group_pairs > 0
     r_anchor = np.where(has_pairs, np.bincount(pair_group, weights=term, minlength=j.num_groups), np.nan)

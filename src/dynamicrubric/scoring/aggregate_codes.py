@@ -29,7 +29,7 @@ class AggregateError(ValueError):
 
 
 @dataclass(frozen=True)
-class _Sets:
+class CandidateSets:
     """The rollouts as P candidate sets; responses sorted by (prompt, sample_idx) get codes 0..N-1."""
 
     prompt_ids: pa.Array  # sorted unique prompt ids; a prompt's code is its position here
@@ -48,7 +48,7 @@ class _Sets:
 
 
 @dataclass(frozen=True)
-class _Judgments:
+class Judgments:
     """Each judgment row as codes: its rubric (group), item, and position in its candidate set."""
 
     group: np.ndarray  # (J,) group code; groups are sorted (prompt, rubric_idx)
@@ -65,14 +65,14 @@ class _Judgments:
         return len(self.group_prompt)
 
 
-def _candidate_sets(rollouts: Frame) -> _Sets:
-    prompt_col = _strings(rollouts, "prompt_id", "rollouts")
+def candidate_sets(rollouts: Frame) -> CandidateSets:
+    prompt_col = strings(rollouts, "prompt_id", "rollouts")
     if len(prompt_col) == 0:
         raise AggregateError("rollouts is empty: there is no candidate set to score")
     prompt_ids = pc.unique(prompt_col)
     prompt_ids = prompt_ids.take(pc.sort_indices(prompt_ids))
-    prompt = _codes(prompt_col, prompt_ids)
-    sample = _ints(rollouts, "sample_idx", "rollouts")
+    prompt = index_codes(prompt_col, prompt_ids)
+    sample = ints(rollouts, "sample_idx", "rollouts")
     if sample.min() < 0:
         raise AggregateError(f"rollouts: sample_idx {int(sample.min())} is negative")
     sample_space = int(sample.max()) + 1
@@ -87,17 +87,17 @@ def _candidate_sets(rollouts: Frame) -> _Sets:
             f"sample_idx={int(sample[row])})"
         )
     size = np.bincount(prompt, minlength=len(prompt_ids))
-    return _Sets(prompt_ids, _starts(size), size, sample[order], keys, sample_space)
+    return CandidateSets(prompt_ids, starts(size), size, sample[order], keys, sample_space)
 
 
-def _index_judgments(judgments: Frame, sets: _Sets, rubrics: Frame | None) -> _Judgments:
+def index_judgments(judgments: Frame, sets: CandidateSets, rubrics: Frame | None) -> Judgments:
     """Codes for every judgment row, after checking that they describe complete, consistent judging."""
-    prompt_col = _strings(judgments, "prompt_id", "judgments")
-    prompt = _codes(prompt_col, sets.prompt_ids)
-    sample = _ints(judgments, "sample_idx", "judgments")
-    rubric_idx = _ints(judgments, "rubric_idx", "judgments")
-    item_idx = _ints(judgments, "item_idx", "judgments")
-    weight = _ints(judgments, "weight", "judgments")
+    prompt_col = strings(judgments, "prompt_id", "judgments")
+    prompt = index_codes(prompt_col, sets.prompt_ids)
+    sample = ints(judgments, "sample_idx", "judgments")
+    rubric_idx = ints(judgments, "rubric_idx", "judgments")
+    item_idx = ints(judgments, "item_idx", "judgments")
+    weight = ints(judgments, "weight", "judgments")
 
     def key_of(row: int) -> str:
         return (
@@ -173,7 +173,7 @@ def _index_judgments(judgments: Frame, sets: _Sets, rubrics: Frame | None) -> _J
 
     # Completeness: item i owns K consecutive slots, one per response of its set; each must be filled once.
     item_k = sets.size[group_prompt[item_group]]
-    item_start = _starts(item_k)
+    item_start = starts(item_k)
     filled = np.bincount(item_start[item] + local, minlength=int(item_k.sum()))
     bad_slots = np.flatnonzero(filled != 1)
     if len(bad_slots):
@@ -188,7 +188,7 @@ def _index_judgments(judgments: Frame, sets: _Sets, rubrics: Frame | None) -> _J
         problem = "is missing (incomplete judging)" if filled[slot] == 0 else f"appears {filled[slot]} times"
         raise AggregateError(f"judgment {key} {problem}; {len(bad_slots)} bad (item, response) slot(s)")
 
-    return _Judgments(
+    return Judgments(
         group=group,
         item=item,
         local=local,
@@ -211,10 +211,10 @@ class _RubricRows:
     num_judged: np.ndarray  # (R,) items judged in the rubric
 
 
-def _rubric_rows(rubrics: Frame, sets: _Sets) -> _RubricRows:
-    prompt_col = _strings(rubrics, "prompt_id", "rubrics")
-    prompt = _codes(prompt_col, sets.prompt_ids)
-    rubric_idx = _ints(rubrics, "rubric_idx", "rubrics")
+def _rubric_rows(rubrics: Frame, sets: CandidateSets) -> _RubricRows:
+    prompt_col = strings(rubrics, "prompt_id", "rubrics")
+    prompt = index_codes(prompt_col, sets.prompt_ids)
+    rubric_idx = ints(rubrics, "rubric_idx", "rubrics")
     if (prompt < 0).any():
         row = int(np.flatnonzero(prompt < 0)[0])
         raise AggregateError(
@@ -232,7 +232,7 @@ def _rubric_rows(rubrics: Frame, sets: _Sets) -> _RubricRows:
         items = pa.array(rubrics["items"], type=kind("rubrics").schema.field("items").type)
     num_items = pc.fill_null(pc.list_value_length(items), 0).to_numpy().astype(np.int64)
     weights = pc.struct_field(pc.list_flatten(items), "weight").to_numpy().astype(np.int64)
-    first_item = _starts(num_items)
+    first_item = starts(num_items)
     judged = np.ones(len(weights), dtype=bool)
     names = rubrics.column_names if isinstance(rubrics, pa.Table) else rubrics.columns
     if "judged_items" in names:  # item dropout: the verifier was asked about these items only
@@ -264,22 +264,22 @@ def _rubric_rows(rubrics: Frame, sets: _Sets) -> _RubricRows:
 # --------------------------------------------------------------------------------------------------
 
 
-def _starts(counts: np.ndarray) -> np.ndarray:
+def starts(counts: np.ndarray) -> np.ndarray:
     """Offsets of consecutive blocks of the given sizes: [0, c0, c0+c1, ...] without the total."""
     return np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
 
 
-def _ragged_arange(counts: np.ndarray) -> np.ndarray:
+def ragged_arange(counts: np.ndarray) -> np.ndarray:
     """0..c-1 for each count c, concatenated: the position of each element inside its block."""
-    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(_starts(counts), counts)
+    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts(counts), counts)
 
 
-def _log_sigmoid(x: np.ndarray) -> np.ndarray:
+def log_sigmoid(x: np.ndarray) -> np.ndarray:
     """log σ(x) = min(x, 0) − log(1 + e^−|x|): no overflow for large |x|."""
     return np.minimum(x, 0.0) - np.log1p(np.exp(-np.abs(x)))
 
 
-def _safe_divide(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+def safe_divide(num: np.ndarray, den: np.ndarray) -> np.ndarray:
     """num / den, 0 where den is 0 (an empty rubric, or a set without response pairs)."""
     return np.divide(num, den, out=np.zeros(len(num)), where=den != 0)
 
@@ -308,7 +308,7 @@ def _lookup(sorted_keys: np.ndarray, queries: np.ndarray, space: int) -> np.ndar
     return np.where(found, position, -1)
 
 
-def _column(frame: Frame, name: str, table: str) -> np.ndarray:
+def required_column(frame: Frame, name: str, table: str) -> np.ndarray:
     """A non-null column as a numpy array; missing columns and nulls are errors naming the table."""
     if name not in (frame.column_names if isinstance(frame, pa.Table) else frame.columns):
         raise AggregateError(f"{table}: missing column {name!r}")
@@ -323,16 +323,16 @@ def _column(frame: Frame, name: str, table: str) -> np.ndarray:
     return col.to_numpy()
 
 
-def _ints(frame: Frame, name: str, table: str) -> np.ndarray:
-    return _column(frame, name, table).astype(np.int64, copy=False)
+def ints(frame: Frame, name: str, table: str) -> np.ndarray:
+    return required_column(frame, name, table).astype(np.int64, copy=False)
 
 
-def _refuse_unscored(judgments: Frame) -> None:
+def refuse_unscored(judgments: Frame) -> None:
     """The judge writes p_yes NaN for a verdict it could not score: never count that as a yes or a no."""
     names = judgments.column_names if isinstance(judgments, pa.Table) else judgments.columns
     if "p_yes" not in names:
         return
-    # NaN, not null: read the raw values (pandas would call NaN a null, and _column refuses nulls).
+    # NaN, not null: read the raw values (pandas would call NaN a null, and required_column refuses nulls).
     col = judgments.column("p_yes") if isinstance(judgments, pa.Table) else judgments["p_yes"]
     values = np.asarray(
         col.to_numpy(zero_copy_only=False) if isinstance(col, pa.ChunkedArray) else col, np.float64
@@ -345,14 +345,14 @@ def _refuse_unscored(judgments: Frame) -> None:
         )
 
 
-def _floats(frame: Frame, name: str) -> np.ndarray:
-    values = _column(frame, name, "judgments").astype(np.float64)
+def floats(frame: Frame, name: str) -> np.ndarray:
+    values = required_column(frame, name, "judgments").astype(np.float64)
     if len(values) and (values.min() < 0 or values.max() > 1):
         raise AggregateError(f"judgments: {name} must be within 0..1, found {values.min()}..{values.max()}")
     return values
 
 
-def _strings(frame: Frame, name: str, table: str) -> pa.ChunkedArray | pa.Array:
+def strings(frame: Frame, name: str, table: str) -> pa.ChunkedArray | pa.Array:
     if name not in (frame.column_names if isinstance(frame, pa.Table) else frame.columns):
         raise AggregateError(f"{table}: missing column {name!r}")
     col = frame.column(name) if isinstance(frame, pa.Table) else pa.array(frame[name])
@@ -361,13 +361,13 @@ def _strings(frame: Frame, name: str, table: str) -> pa.ChunkedArray | pa.Array:
     return col
 
 
-def _codes(values: pa.ChunkedArray | pa.Array, categories: pa.Array) -> np.ndarray:
+def index_codes(values: pa.ChunkedArray | pa.Array, categories: pa.Array) -> np.ndarray:
     """Position of each string in `categories`, -1 where absent (a hash lookup in Arrow)."""
     codes = pc.index_in(values, value_set=categories.cast(values.type))
     return pc.fill_null(codes, -1).to_numpy().astype(np.int64)
 
 
-def _frame(kind_name: str, **columns: np.ndarray | pa.Array | pa.ChunkedArray) -> pd.DataFrame:
+def kind_frame(kind_name: str, **columns: np.ndarray | pa.Array | pa.ChunkedArray) -> pd.DataFrame:
     """A DataFrame with exactly the kind's columns and types; NaN in a nullable float column is null."""
     schema = kind(kind_name).schema
     arrays = []

@@ -29,9 +29,9 @@ log = logging.getLogger(__name__)
 def evaluate_samples(cfg: Config, round_idx: int, *, policy, previous_policy, eval_prompts, out_samples):
     """The policy's held-out samples and the previous policy's one for the win rate
     (`evaluate.sample_held_out`), as one rollouts artifact."""
-    from dynamicrubric.evaluation.evaluate import _Engines, sample_held_out
+    from dynamicrubric.evaluation.evaluate import Engines, sample_held_out
 
-    pool = _Engines(cfg, None)
+    pool = Engines(cfg, None)
     samples = sample_held_out(
         cfg,
         read_frame(eval_prompts, "prompts"),

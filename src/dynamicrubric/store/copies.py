@@ -30,8 +30,8 @@ import dynamicrubric.store.s3 as s3
 from dynamicrubric.store.folders import (
     COMPLETE_MARKER,
     VERSIONS_DIR,
-    _file_key,
     download_dir,
+    file_key,
     new_token,
     publish_or_abandon,
     read_manifest,
@@ -84,7 +84,7 @@ def copy_dir(src_uri: str, dst_uri: str) -> None:
     token = new_token()
     try:
         for rel, entry in sorted(manifest["files"].items()):
-            source = (src_bucket, _file_key(src_prefix, manifest, rel))
+            source = (src_bucket, file_key(src_prefix, manifest, rel))
             target = f"{prefix}{VERSIONS_DIR}/{token}/{rel}"
             _copy_object(dst_uri, rel, source, bucket, target, entry["size"])
     except BaseException:
@@ -96,14 +96,14 @@ def copy_dir(src_uri: str, dst_uri: str) -> None:
 
 def _copy_object(uri: str, rel: str, source: tuple[str, str], bucket: str, key: str, size: int) -> None:
     """File `rel` copied server-side to bucket/key, checked to have `size` bytes once there."""
-    client = s3._client()
+    client = s3.s3_client()
     copy_source = {"Bucket": source[0], "Key": source[1]}
     if size <= COPY_PART_SIZE:
         _copy_call(uri, f"copying {rel} ({size} bytes)", client.copy_object,
                    CopySource=copy_source, Bucket=bucket, Key=key)  # fmt: skip
     else:
         _copy_in_parts(uri, rel, copy_source, bucket, key, size)
-    copied = s3._s3_call(uri, client.head_object, Bucket=bucket, Key=key)["ContentLength"]
+    copied = s3.s3_call(uri, client.head_object, Bucket=bucket, Key=key)["ContentLength"]
     if copied != size:
         raise StoreError(f"{uri}: {rel} is {copied} bytes once copied, its manifest says {size}")
 
@@ -115,15 +115,15 @@ def _copy_call(
     how long, after the store's reason."""
     started = time.monotonic()
     try:
-        return s3._s3_call(uri, fn, budget_s=copy_budget_s(), timeout_s=copy_timeout_s(), stop=stop, **kwargs)
+        return s3.s3_call(uri, fn, budget_s=copy_budget_s(), timeout_s=copy_timeout_s(), stop=stop, **kwargs)
     except StoreError as e:
         reason = str(e).removeprefix(f"{uri}: ")
         raise StoreError(f"{uri}: {what} failed after {time.monotonic() - started:.0f} s: {reason}") from e
 
 
 def _copy_in_parts(uri: str, rel: str, copy_source: dict, bucket: str, key: str, size: int) -> None:
-    client = s3._client()
-    upload_id = s3._s3_call(uri, client.create_multipart_upload, Bucket=bucket, Key=key)["UploadId"]
+    client = s3.s3_client()
+    upload_id = s3.s3_call(uri, client.create_multipart_upload, Bucket=bucket, Key=key)["UploadId"]
     count = -(-size // COPY_PART_SIZE)
 
     def copy_part(stop: threading.Event, number: int, start: int) -> dict:
@@ -135,9 +135,9 @@ def _copy_in_parts(uri: str, rel: str, copy_source: dict, bucket: str, key: str,
         return {"ETag": resp["CopyPartResult"]["ETag"], "PartNumber": number}
 
     try:
-        parts = s3._in_parts(copy_part, list(enumerate(range(0, size, COPY_PART_SIZE), start=1)))
-        s3._s3_call(uri, client.complete_multipart_upload, Bucket=bucket, Key=key, UploadId=upload_id,
+        parts = s3.in_parts(copy_part, list(enumerate(range(0, size, COPY_PART_SIZE), start=1)))
+        s3.s3_call(uri, client.complete_multipart_upload, Bucket=bucket, Key=key, UploadId=upload_id,
                     MultipartUpload={"Parts": parts})  # fmt: skip
     except BaseException:
-        s3._abort(uri, bucket, key, upload_id)
+        s3.abort_upload(uri, bucket, key, upload_id)
         raise

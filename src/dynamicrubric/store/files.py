@@ -2,7 +2,7 @@
 under a folder (raw), and `check_writable`, the check made before a stage computes anything.
 
 A write is seen whole or not at all: locally a temp file in the target folder, then `os.replace`; on
-S3 one PUT, or a multipart upload that only becomes visible once completed (`s3._upload`). Local
+S3 one PUT, or a multipart upload that only becomes visible once completed (`s3.upload_object`). Local
 files get the mode a plain `open` would give them, not mkstemp's private 0600.
 
 `read_bytes`/`write_bytes` hold the whole file in memory: for small files (configs, results, tables).
@@ -35,12 +35,12 @@ def _umask() -> int:
     return 0o022
 
 
-def _file_mode() -> int:
+def file_mode() -> int:
     """The mode a plain `open(path, "w")` would give: group- and world-readable unless the umask says not."""
     return 0o666 & ~_umask()
 
 
-def _dir_mode() -> int:
+def dir_mode() -> int:
     return 0o777 & ~_umask()
 
 
@@ -48,7 +48,7 @@ def read_bytes(uri: str) -> bytes:
     if is_s3(uri):
         bucket, key = split_s3(uri)
         # The GET and the body's read are one operation: a stream cut off mid-way is retried whole.
-        return s3._s3_call(uri, lambda: s3._client().get_object(Bucket=bucket, Key=key)["Body"].read())
+        return s3.s3_call(uri, lambda: s3.s3_client().get_object(Bucket=bucket, Key=key)["Body"].read())
     path = local_path(uri)
     try:
         check_regular_file(uri, path)
@@ -89,7 +89,7 @@ def _local_temp(uri: str, path: Path):
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, _file_mode())  # mkstemp makes 0600; artifacts are shared like any other file
+        os.chmod(tmp, file_mode())  # mkstemp makes 0600; artifacts are shared like any other file
         os.replace(tmp, path)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
@@ -98,7 +98,7 @@ def _local_temp(uri: str, path: Path):
         raise
 
 
-def _file_digest(fd: int) -> str:
+def file_digest(fd: int) -> str:
     h = hashlib.sha256()
     at = 0
     while block := os.pread(fd, CHUNK, at):
@@ -111,7 +111,7 @@ def download_file(uri: str, dest: str | Path, expected: dict | None = None) -> t
     """Copy the file at `uri` to the local file `dest` in chunks, atomically; returns its (size,
     sha256). With `expected` ({"size", "sha256"}) a copy that differs is refused and `dest` is left as
     it was. On S3 a transient failure mid-stream (a reset connection, a store restart) starts the file
-    over from its first byte, within the retry budget of `s3._s3_call`; a file of a known size (from
+    over from its first byte, within the retry budget of `s3.s3_call`; a file of a known size (from
     `expected`) above MULTIPART_THRESHOLD comes down in ranged parts, each started over on its own."""
     dest = Path(dest)
     with _local_temp(str(dest), dest) as f:
@@ -129,20 +129,20 @@ def download_file(uri: str, dest: str | Path, expected: dict | None = None) -> t
             # A large file of a folder (its size known from the manifest) comes down in concurrent parts;
             # its hash is taken from the disk once all are in.
             f.truncate(expected["size"])
-            s3._download_parts(uri, *split_s3(uri), expected["size"], f.fileno(), CHUNK)
-            size, sha = expected["size"], _file_digest(f.fileno())
+            s3.download_parts(uri, *split_s3(uri), expected["size"], f.fileno(), CHUNK)
+            size, sha = expected["size"], file_digest(f.fileno())
         elif is_s3(uri):
             bucket, key = split_s3(uri)
 
             def stream() -> tuple[int, str]:
-                with s3._stream():
-                    body = s3._client().get_object(Bucket=bucket, Key=key)["Body"]
+                with s3.transfer_slot():
+                    body = s3.s3_client().get_object(Bucket=bucket, Key=key)["Body"]
                     try:
                         return copy(body.iter_chunks(CHUNK))  # botocore checks the length at the end
                     finally:
                         body.close()
 
-            size, sha = s3._s3_call(uri, stream)
+            size, sha = s3.s3_call(uri, stream)
         else:
             try:
                 with open(local_path(uri), "rb") as src:
@@ -167,7 +167,7 @@ def upload_file(path: str | Path, uri: str) -> None:
         raise StoreError(f"{path}: no such file")
     if is_s3(uri):
         bucket, key = split_s3(uri)
-        s3._upload(uri, bucket, key, path)
+        s3.upload_object(uri, bucket, key, path)
         return
     target = local_path(uri)
     with _local_temp(uri, target) as f, open(path, "rb") as src:
@@ -183,7 +183,7 @@ def copy_file(src_uri: str, dst_uri: str) -> None:
         upload_file(local, dst_uri)
 
 
-def _read_if_exists(uri: str) -> bytes | None:
+def read_if_exists(uri: str) -> bytes | None:
     try:
         return read_bytes(uri)
     except StoreError as e:
@@ -196,7 +196,7 @@ def write_bytes(uri: str, data: bytes) -> None:
     """Write atomically: readers see the old object or the whole new one, never a part."""
     if is_s3(uri):
         bucket, key = split_s3(uri)
-        s3._upload(uri, bucket, key, data)
+        s3.upload_object(uri, bucket, key, data)
         return
     with _local_temp(uri, local_path(uri)) as f:
         f.write(data)
@@ -208,10 +208,10 @@ def exists(uri: str) -> bool:
 
         bucket, key = split_s3(uri)
         try:
-            s3._s3_call(uri, s3._client().head_object, Bucket=bucket, Key=key)
+            s3.s3_call(uri, s3.s3_client().head_object, Bucket=bucket, Key=key)
             return True
         except StoreError as e:
-            if isinstance(e.__cause__, ClientError) and s3._error_code(e.__cause__) in (
+            if isinstance(e.__cause__, ClientError) and s3.error_code(e.__cause__) in (
                 "404",
                 "NoSuchKey",
                 "NotFound",
@@ -224,7 +224,7 @@ def exists(uri: str) -> bool:
 def delete(uri: str) -> None:
     if is_s3(uri):
         bucket, key = split_s3(uri)
-        s3._s3_call(uri, s3._client().delete_object, Bucket=bucket, Key=key)
+        s3.s3_call(uri, s3.s3_client().delete_object, Bucket=bucket, Key=key)
     else:
         local_path(uri).unlink(missing_ok=True)
 
@@ -233,7 +233,7 @@ def list_files(uri: str) -> list[str]:
     """Relative paths of all files under a folder URI, sorted (raw: on S3 this includes `_versions/`)."""
     if is_s3(uri):
         bucket, prefix = split_s3(uri.rstrip("/") + "/")
-        return sorted(k[len(prefix) :] for k in s3._list_keys(uri, bucket, prefix))
+        return sorted(k[len(prefix) :] for k in s3.list_keys(uri, bucket, prefix))
     root = local_path(uri)
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
@@ -250,10 +250,10 @@ def check_writable(uri: str) -> None:
             raise StoreError(f"{uri}: no object key after the bucket")
         probe = f"{key.rstrip('/')}.write-check-{uuid.uuid4().hex[:12]}"
         try:
-            s3._s3_call(uri, s3._client().put_object, Bucket=bucket, Key=probe, Body=b"")
+            s3.s3_call(uri, s3.s3_client().put_object, Bucket=bucket, Key=probe, Body=b"")
         finally:
             with contextlib.suppress(StoreError):
-                s3._s3_call(uri, s3._client().delete_object, Bucket=bucket, Key=probe, budget_s=5.0)
+                s3.s3_call(uri, s3.s3_client().delete_object, Bucket=bucket, Key=probe, budget_s=5.0)
         s3.abort_stale_uploads(uri)
         return
     path = local_path(uri)

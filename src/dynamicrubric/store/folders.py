@@ -21,7 +21,7 @@ time) and checks it against its checksum before it appears.
   (launcher_v2.go `downloadArtifacts`, object_store.go `DownloadBlob`), so the marker lies at the top
   and the files under `_versions/<token>/` (the version the marker names; an older version a writer
   had not yet deleted may lie beside it). Every reader here reads it from that version, as on S3
-  (`_file_key` is the one rule for both), and `pinned_folder` (`resolve_model`'s folder) and
+  (`file_key` is the one rule for both), and `pinned_folder` (`resolve_model`'s folder) and
   `download_dir` give the folder flat, as hard links of the version's files beside it.
 - A local folder copied to S3 file by file under the same relative keys, as KFP's launcher uploads a
   task's output artifact, keeps its flat marker, so a reader of that `s3://` URI finds its files
@@ -55,14 +55,14 @@ from typing import Any
 import dynamicrubric.store.s3 as s3
 import dynamicrubric.store.unpublished as unpublished
 from dynamicrubric.store.files import (
-    _dir_mode,
-    _file_digest,
-    _file_mode,
-    _read_if_exists,
     delete,
+    dir_mode,
     download_file,
     exists,
+    file_digest,
+    file_mode,
     list_files,
+    read_if_exists,
     upload_file,
     write_bytes,
 )
@@ -77,7 +77,7 @@ FLAT, VERSIONED = "flat", "versioned"  # a manifest's layouts: files beside the 
 
 def _digest(path: Path) -> tuple[int, str]:
     with open(path, "rb") as f:
-        return os.fstat(f.fileno()).st_size, _file_digest(f.fileno())
+        return os.fstat(f.fileno()).st_size, file_digest(f.fileno())
 
 
 def _manifest_bytes(token: str, layout: str, entries: dict[str, dict]) -> bytes:
@@ -99,7 +99,7 @@ def read_manifest(uri: str) -> dict | None:
     "versioned" (under `_versions/<token>/`). An empty marker (written before manifests existed) gives
     {"token": None, "layout": "flat", "files": None}: every file under the folder is its content."""
     marker = join(uri, COMPLETE_MARKER)
-    data = _read_if_exists(marker)
+    data = read_if_exists(marker)
     if data is None:
         return None
     if not data.strip():
@@ -127,11 +127,11 @@ def _format1_layout(uri: str, token: str) -> str:
         return VERSIONED if (local_path(uri) / VERSIONS_DIR / token).is_dir() else FLAT
     bucket, prefix = split_s3(uri.rstrip("/") + "/")
     version = f"{prefix}{VERSIONS_DIR}/{token}/"
-    resp = s3._s3_call(uri, s3._client().list_objects_v2, Bucket=bucket, Prefix=version, MaxKeys=1)
+    resp = s3.s3_call(uri, s3.s3_client().list_objects_v2, Bucket=bucket, Prefix=version, MaxKeys=1)
     return VERSIONED if resp.get("KeyCount", len(resp.get("Contents", []))) else FLAT
 
 
-def _file_key(prefix: str, manifest: dict, rel: str) -> str:
+def file_key(prefix: str, manifest: dict, rel: str) -> str:
     """Where file `rel` of the folder `manifest` describes lies, under the folder's key prefix (on S3)
     or its path (a local folder: "" for the prefix). The one place that knows the layouts."""
     if manifest["layout"] == FLAT:
@@ -152,9 +152,9 @@ def folder_file(uri: str, rel: str) -> str:
     if manifest["files"] is not None and rel not in manifest["files"]:
         raise StoreError(f"{uri}: the folder has no file {rel!r}")
     if not is_s3(uri):
-        return join(uri, _file_key("", manifest, rel))  # flat, or a launcher's mirror of a version
+        return join(uri, file_key("", manifest, rel))  # flat, or a launcher's mirror of a version
     bucket, prefix = split_s3(uri.rstrip("/") + "/")
-    return f"s3://{bucket}/{_file_key(prefix, manifest, rel)}"
+    return f"s3://{bucket}/{file_key(prefix, manifest, rel)}"
 
 
 def folder_files(local_dir: Path) -> dict[str, Path]:
@@ -216,12 +216,12 @@ def upload_version(files: dict[str, Path], uri: str, token: str) -> dict[str, di
             # The file's hash is taken while it goes up (hashlib frees the GIL), not before.
             with ThreadPoolExecutor(1, thread_name_prefix="store-hash") as hasher:
                 entry = hasher.submit(_entry, path)
-                s3._upload(uri, bucket, mine + rel, path, stop)
+                s3.upload_object(uri, bucket, mine + rel, path, stop)
                 return entry.result()
 
-        # One stop for the whole write: once a file fails no other file or part starts (s3._in_parts),
+        # One stop for the whole write: once a file fails no other file or part starts (s3.in_parts),
         # so a failure ends within the budget and its slack however many files the folder has.
-        sent = s3._in_parts(send_file, list(files.items()), workers=min(s3.STREAMS, len(files) or 1))
+        sent = s3.in_parts(send_file, list(files.items()), workers=min(s3.STREAMS, len(files) or 1))
         return dict(zip(files, sent, strict=True))
     else:
         version = unpublished.local_version(uri, token)
@@ -231,7 +231,7 @@ def upload_version(files: dict[str, Path], uri: str, token: str) -> dict[str, di
             try:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, target)
-                os.chmod(target, _file_mode())
+                os.chmod(target, file_mode())
             except OSError as e:
                 raise StoreError(f"{uri}: cannot write: {e.strerror}") from None
             return _entry(path)
@@ -269,9 +269,9 @@ def publish_version(uri: str, token: str, entries: dict[str, dict]) -> None:
     try:
         version.mkdir(parents=True, exist_ok=True)  # a folder of no files has no version yet
         (version / COMPLETE_MARKER).write_bytes(_manifest_bytes(token, FLAT, entries))
-        os.chmod(version / COMPLETE_MARKER, _file_mode())
+        os.chmod(version / COMPLETE_MARKER, file_mode())
         for d in [version, *(p for p in version.rglob("*") if p.is_dir())]:
-            os.chmod(d, _dir_mode())
+            os.chmod(d, dir_mode())
     except OSError as e:
         raise StoreError(f"{uri}: cannot write: {e.strerror}") from None
     try:
@@ -310,14 +310,14 @@ def _delete_previous(uri: str, previous: dict | None, token: str) -> None:
         if previous["files"] is None:  # an empty marker: everything but the versions and marker
             old = [
                 k
-                for k in s3._list_keys(uri, bucket, prefix)
+                for k in s3.list_keys(uri, bucket, prefix)
                 if not k.startswith(f"{prefix}{VERSIONS_DIR}/") and k != prefix + COMPLETE_MARKER
             ]
         elif previous["layout"] == FLAT:  # a local folder copied here flat: exactly its files
             old = [prefix + rel for rel in previous["files"]]
         else:
-            old = s3._list_keys(uri, bucket, f"{prefix}{VERSIONS_DIR}/{previous['token']}/")
-        s3._delete_keys(uri, bucket, old)
+            old = s3.list_keys(uri, bucket, f"{prefix}{VERSIONS_DIR}/{previous['token']}/")
+        s3.delete_keys(uri, bucket, old)
 
 
 _RENAME_EXCHANGE = 2
@@ -389,7 +389,7 @@ def pinned_folder(folder: Path) -> Path:
             if again is not None and again["token"] == manifest["token"]:
                 if missing is not None:  # the same version, short of a file: no writer will bring it
                     raise StoreError(f"{folder}: {missing} is missing, though {COMPLETE_MARKER} lists it")
-                os.chmod(tmp, _dir_mode())
+                os.chmod(tmp, dir_mode())
                 with contextlib.suppress(OSError):  # another reader pinned this version first
                     os.rename(tmp, pinned)
                 return pinned
@@ -406,7 +406,7 @@ def _link_version(folder: Path, manifest: dict, tmp: Path) -> str | None:
     for rel in manifest["files"]:
         (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
         try:
-            os.link(folder / _file_key("", manifest, rel), tmp / rel)
+            os.link(folder / file_key("", manifest, rel), tmp / rel)
         except FileNotFoundError:
             return rel  # swapped out under us (the caller's token check starts over), or never there
     if manifest["layout"] == FLAT:
@@ -416,7 +416,7 @@ def _link_version(folder: Path, manifest: dict, tmp: Path) -> str | None:
             return COMPLETE_MARKER
     else:
         (tmp / COMPLETE_MARKER).write_bytes(_manifest_bytes(manifest["token"], FLAT, manifest["files"]))
-        os.chmod(tmp / COMPLETE_MARKER, _file_mode())
+        os.chmod(tmp / COMPLETE_MARKER, file_mode())
     return None
 
 
@@ -476,7 +476,7 @@ def _fetch(uri: str, manifest: dict, rels: list[str], local_dir: Path, written: 
     bucket, prefix = split_s3(uri.rstrip("/") + "/")
 
     def fetch(rel: str) -> None:
-        source = f"s3://{bucket}/{_file_key(prefix, manifest, rel)}"
+        source = f"s3://{bucket}/{file_key(prefix, manifest, rel)}"
         try:
             download_file(source, local_dir / rel, (manifest["files"] or {}).get(rel))
         except StoreError as e:
@@ -492,12 +492,12 @@ def delete_dir(uri: str) -> None:
     """Remove a folder and everything under it (missing is fine)."""
     if is_s3(uri):
         bucket, prefix = split_s3(uri.rstrip("/") + "/")
-        keys = s3._list_keys(uri, bucket, prefix)
+        keys = s3.list_keys(uri, bucket, prefix)
         marker = prefix + COMPLETE_MARKER
         # The marker first, so that readers see the folder as absent, never as a part.
         if marker in keys:
             delete(join(uri, COMPLETE_MARKER))
-        s3._delete_keys(uri, bucket, [k for k in keys if k != marker])
+        s3.delete_keys(uri, bucket, [k for k in keys if k != marker])
     else:
         path = local_path(uri)
         shutil.rmtree(path, ignore_errors=True)

@@ -27,7 +27,7 @@ loop's own waits on a loaded machine) after the call that failed began. Server-s
 when they are done, so they wait and retry longer (store/copies.py `copy_timeout_s`, `copy_budget_s`).
 
 The names with a leading underscore belong to the package: `files` and `folders` call them as
-`s3._upload(...)`, looked up on this module at each call, so that a test replacing one here reaches
+`s3.upload_object(...)`, looked up on this module at each call, so that a test replacing one here reaches
 every caller.
 """
 
@@ -89,7 +89,7 @@ _TRANSIENT_CODES = {
 }
 
 
-# The read timeout of the attempt this thread is making (`_s3_call` sets it around each attempt).
+# The read timeout of the attempt this thread is making (`s3_call` sets it around each attempt).
 _attempt = threading.local()
 
 
@@ -110,12 +110,12 @@ def _seconds(env: str, default: float) -> float:
 
 
 @functools.cache
-def _client():
+def s3_client():
     import boto3
     from botocore.config import Config
 
     # The endpoint is read from AWS_ENDPOINT_URL by botocore itself; region defaults for S3-compatibles.
-    # One attempt per call: `_s3_call` makes the retries, each with the time its budget has left.
+    # One attempt per call: `s3_call` makes the retries, each with the time its budget has left.
     config = Config(
         retries={"total_max_attempts": 1, "mode": "standard"},
         connect_timeout=_seconds(CONNECT_TIMEOUT_ENV, DEFAULT_CONNECT_TIMEOUT_S),
@@ -138,7 +138,7 @@ def read_timeout_s() -> float:
 
 def reset_client() -> None:
     """Forget the cached S3 client (after changing AWS_* variables)."""
-    _client.cache_clear()
+    s3_client.cache_clear()
 
 
 def retry_budget_s() -> float:
@@ -146,7 +146,7 @@ def retry_budget_s() -> float:
     return max(_seconds(RETRY_BUDGET_ENV, DEFAULT_RETRY_BUDGET_S), 0.0)
 
 
-def _error_code(err: Exception) -> str:
+def error_code(err: Exception) -> str:
     from botocore.exceptions import ClientError
 
     if isinstance(err, ClientError):
@@ -167,7 +167,7 @@ def _transient(err: Exception) -> bool:
 
     if isinstance(err, ClientError):
         status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-        return status >= 500 or _error_code(err) in _TRANSIENT_CODES
+        return status >= 500 or error_code(err) in _TRANSIENT_CODES
     return isinstance(
         err,
         ConnectionError
@@ -190,7 +190,7 @@ def _s3_error(uri: str, err: Exception) -> StoreError:
     )
 
     if isinstance(err, ClientError):
-        code = _error_code(err)
+        code = error_code(err)
         status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         reason = {
             "InvalidAccessKeyId": "the access key is not known to the store (check AWS_ACCESS_KEY_ID)",
@@ -236,16 +236,16 @@ def may_have_landed(err: StoreError) -> bool:
 
 
 @contextlib.contextmanager
-def _stream(stop: threading.Event | None = None):
+def transfer_slot(stop: threading.Event | None = None):
     """Hold one of the process's STREAMS transfer slots (around one attempt: a retry's wait holds none).
-    A part whose sibling failed while it waited for its slot does not start (`_in_parts`)."""
+    A part whose sibling failed while it waited for its slot does not start (`in_parts`)."""
     with _streams:
         if stop is not None and stop.is_set():
             raise _Stopped("a sibling part failed")
         yield
 
 
-def _s3_call(
+def s3_call(
     uri: str,
     fn: Callable[..., Any],
     *args: Any,
@@ -289,52 +289,52 @@ def _s3_call(
             _attempt.read_timeout = outer
 
 
-def _upload(
+def upload_object(
     uri: str, bucket: str, key: str, source: bytes | Path, stop: threading.Event | None = None
 ) -> None:
     """One object from bytes or a local file: a PUT, or above MULTIPART_THRESHOLD a multipart upload.
-    With `stop` (the write's, see `_in_parts`) it ends once another file of the same write failed."""
+    With `stop` (the write's, see `in_parts`) it ends once another file of the same write failed."""
     size = len(source) if isinstance(source, bytes) else source.stat().st_size
     if size < MULTIPART_THRESHOLD:
         body = source if isinstance(source, bytes) else source.read_bytes()
 
         def put() -> None:
-            with _stream(stop):
-                _client().put_object(Bucket=bucket, Key=key, Body=body)
+            with transfer_slot(stop):
+                s3_client().put_object(Bucket=bucket, Key=key, Body=body)
 
-        _s3_call(uri, put, stop=stop)
+        s3_call(uri, put, stop=stop)
         return
-    create = _client().create_multipart_upload
-    upload_id = _s3_call(uri, create, Bucket=bucket, Key=key, stop=stop)["UploadId"]
+    create = s3_client().create_multipart_upload
+    upload_id = s3_call(uri, create, Bucket=bucket, Key=key, stop=stop)["UploadId"]
 
     def send_part(stop: threading.Event, number: int, offset: int) -> dict:
         def attempt() -> dict:
             part = dict(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number)
             if isinstance(source, bytes):
-                with _stream(stop):
-                    return _client().upload_part(**part, Body=source[offset : offset + PART_SIZE])
+                with transfer_slot(stop):
+                    return s3_client().upload_part(**part, Body=source[offset : offset + PART_SIZE])
             # The part streamed from its window of the file (s3transfer's reader, as boto3's transfer
             # manager sends it): PART_CONCURRENCY parts in flight hold no part whole in memory.
             from s3transfer.utils import ReadFileChunk
 
-            with _stream(stop), ReadFileChunk.from_filename(str(source), offset, PART_SIZE) as body:
-                return _client().upload_part(**part, Body=body)
+            with transfer_slot(stop), ReadFileChunk.from_filename(str(source), offset, PART_SIZE) as body:
+                return s3_client().upload_part(**part, Body=body)
 
-        resp = _s3_call(uri, attempt, stop=stop)  # each part retried on its own, within its budget
+        resp = s3_call(uri, attempt, stop=stop)  # each part retried on its own, within its budget
         return {"ETag": resp["ETag"], "PartNumber": number}
 
     try:
-        parts = _in_parts(send_part, list(enumerate(range(0, size, PART_SIZE), start=1)), stop)
-        _s3_call(
+        parts = in_parts(send_part, list(enumerate(range(0, size, PART_SIZE), start=1)), stop)
+        s3_call(
             uri,
-            _client().complete_multipart_upload,
+            s3_client().complete_multipart_upload,
             Bucket=bucket,
             Key=key,
             UploadId=upload_id,
             MultipartUpload={"Parts": parts},
         )
     except BaseException:
-        _abort(uri, bucket, key, upload_id)
+        abort_upload(uri, bucket, key, upload_id)
         raise
 
 
@@ -342,13 +342,13 @@ class _Stopped(StoreError):
     """A part that did not start because a sibling part had failed (never raised to a caller)."""
 
 
-def _in_parts(
+def in_parts(
     fn: Callable[..., Any], items: list[tuple], stop: threading.Event | None = None, workers: int = 0
 ) -> list[Any]:
     """fn(stop, *item) for every item, `workers` (default PART_CONCURRENCY) at a time; the results in
-    order. The first failure sets `stop`: each part's retries end (`_s3_call`), no part starts after it
+    order. The first failure sets `stop`: each part's retries end (`s3_call`), no part starts after it
     (a pool thread freed by it would otherwise take the next part, with a budget of its own), nor does
-    a part that was waiting for a transfer slot (`_stream`); that first failure is what is raised. A
+    a part that was waiting for a transfer slot (`transfer_slot`); that first failure is what is raised. A
     caller's `stop` is shared: the files of one write and their parts all end when one fails."""
     stop = threading.Event() if stop is None else stop
     first, lock = [], threading.Lock()
@@ -384,18 +384,18 @@ def _in_parts(
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _abort(uri: str, bucket: str, key: str, upload_id: str) -> None:
+def abort_upload(uri: str, bucket: str, key: str, upload_id: str) -> None:
     """Abort a failed multipart upload (its parts are stored, and billed, until then), within the
     cleanup budget: one the store does not answer is aborted by the next write of its folder or by
     `abort_stale_uploads`."""
     try:
-        _s3_call(uri, _client().abort_multipart_upload, Bucket=bucket, Key=key, UploadId=upload_id,
+        s3_call(uri, s3_client().abort_multipart_upload, Bucket=bucket, Key=key, UploadId=upload_id,
                  budget_s=CLEANUP_BUDGET_S, timeout_s=CLEANUP_BUDGET_S)  # fmt: skip
     except StoreError as e:
         log.warning("%s: could not abort its failed multipart upload: %s", uri, e)
 
 
-def _download_parts(uri: str, bucket: str, key: str, size: int, fd: int, chunk: int) -> None:
+def download_parts(uri: str, bucket: str, key: str, size: int, fd: int, chunk: int) -> None:
     """The object's bytes into the open file `fd` (`size` of them) by ranged GETs of PART_SIZE, up to
     PART_CONCURRENCY at a time, each written at its offset as it streams (`chunk` bytes in memory at a
     time) and retried on its own; the first failure stops further parts. The caller checks the whole."""
@@ -404,8 +404,8 @@ def _download_parts(uri: str, bucket: str, key: str, size: int, fd: int, chunk: 
         end = min(offset + PART_SIZE, size) - 1
 
         def attempt() -> None:
-            with _stream(stop):
-                body = _client().get_object(Bucket=bucket, Key=key, Range=f"bytes={offset}-{end}")["Body"]
+            with transfer_slot(stop):
+                body = s3_client().get_object(Bucket=bucket, Key=key, Range=f"bytes={offset}-{end}")["Body"]
                 try:
                     at = offset
                     for block in body.iter_chunks(chunk):  # botocore checks the part's length at the end
@@ -413,9 +413,9 @@ def _download_parts(uri: str, bucket: str, key: str, size: int, fd: int, chunk: 
                 finally:
                     body.close()
 
-        _s3_call(uri, attempt, stop=stop)
+        s3_call(uri, attempt, stop=stop)
 
-    _in_parts(fetch_part, [(offset,) for offset in range(0, size, PART_SIZE)])
+    in_parts(fetch_part, [(offset,) for offset in range(0, size, PART_SIZE)])
 
 
 def stale_age_s() -> float:
@@ -438,7 +438,7 @@ def abort_stale_uploads(uri: str, older_than_s: float | None = None, budget_s: f
     uploads = []
     pages = {"Bucket": bucket, "Prefix": prefix}
     while True:  # a listing answers at most 1000
-        resp = _s3_call(uri, _client().list_multipart_uploads, **pages, budget_s=budget_s)
+        resp = s3_call(uri, s3_client().list_multipart_uploads, **pages, budget_s=budget_s)
         uploads += resp.get("Uploads", [])
         if not (resp.get("IsTruncated") and resp.get("NextKeyMarker")):
             break
@@ -447,7 +447,7 @@ def abort_stale_uploads(uri: str, older_than_s: float | None = None, budget_s: f
     aborted = 0
     for up in uploads:
         if (now - up["Initiated"]).total_seconds() >= older_than_s:
-            _s3_call(uri, _client().abort_multipart_upload, Bucket=bucket, Key=up["Key"],
+            s3_call(uri, s3_client().abort_multipart_upload, Bucket=bucket, Key=up["Key"],
                      UploadId=up["UploadId"], budget_s=budget_s)  # fmt: skip
             aborted += 1
     if aborted:
@@ -455,20 +455,20 @@ def abort_stale_uploads(uri: str, older_than_s: float | None = None, budget_s: f
     return aborted
 
 
-def _list_keys(uri: str, bucket: str, prefix: str, budget_s: float | None = None) -> list[str]:
+def list_keys(uri: str, bucket: str, prefix: str, budget_s: float | None = None) -> list[str]:
     def pages() -> list[str]:
-        paginator = _client().get_paginator("list_objects_v2")
+        paginator = s3_client().get_paginator("list_objects_v2")
         return [
             obj["Key"]
             for page in paginator.paginate(Bucket=bucket, Prefix=prefix)
             for obj in page.get("Contents", [])
         ]
 
-    return _s3_call(uri, pages, budget_s=budget_s)
+    return s3_call(uri, pages, budget_s=budget_s)
 
 
-def _delete_keys(uri: str, bucket: str, keys: list[str], budget_s: float | None = None) -> None:
+def delete_keys(uri: str, bucket: str, keys: list[str], budget_s: float | None = None) -> None:
     for start in range(0, len(keys), 1000):
         batch = [{"Key": k} for k in keys[start : start + 1000]]
-        _s3_call(uri, _client().delete_objects, Bucket=bucket, Delete={"Objects": batch, "Quiet": True},
+        s3_call(uri, s3_client().delete_objects, Bucket=bucket, Delete={"Objects": batch, "Quiet": True},
                  budget_s=budget_s)  # fmt: skip

@@ -50,7 +50,7 @@ def discard_version(uri: str, token: str, budget_s: float | None = None) -> None
     if is_s3(uri):
         bucket, prefix = split_s3(uri.rstrip("/") + "/")
         version = f"{prefix}{VERSIONS_DIR}/{token}/"
-        s3._delete_keys(uri, bucket, s3._list_keys(uri, bucket, version, budget_s), budget_s)
+        s3.delete_keys(uri, bucket, s3.list_keys(uri, bucket, version, budget_s), budget_s)
         s3.abort_stale_uploads(f"s3://{bucket}/{version}", older_than_s=0, budget_s=budget_s)
     else:
         shutil.rmtree(local_version(uri, token), ignore_errors=True)
@@ -95,9 +95,9 @@ def _named(uri: str, budget_s: float | None = None) -> str | None:
     """The token the folder's marker names; None when it has no marker, or one that names no version."""
     bucket, key = split_s3(join(uri, COMPLETE_MARKER))
     try:
-        data = s3._s3_call(
+        data = s3.s3_call(
             uri,
-            lambda: s3._client().get_object(Bucket=bucket, Key=key)["Body"].read(),
+            lambda: s3.s3_client().get_object(Bucket=bucket, Key=key)["Body"].read(),
             budget_s=budget_s,
             timeout_s=budget_s,
         )
@@ -132,7 +132,7 @@ def clean_unpublished(prefix: str, older_than_s: float | None = None) -> tuple[i
     age = s3.stale_age_s() if older_than_s is None else older_than_s
     bucket, root = split_s3(prefix.rstrip("/") + "/")
     versions: dict[tuple[str, str], list[str]] = {}
-    for key in s3._list_keys(prefix, bucket, root):
+    for key in s3.list_keys(prefix, bucket, root):
         folder, sep, rest = key.partition(f"{VERSIONS_DIR}/")
         if sep and (not folder or folder.endswith("/")) and "/" in rest:
             versions.setdefault((folder, rest.split("/", 1)[0]), []).append(key)
@@ -147,7 +147,7 @@ def clean_unpublished(prefix: str, older_than_s: float | None = None) -> tuple[i
         try:
             if _named(uri) == token:
                 continue  # the folder's published version
-            s3._delete_keys(uri, bucket, keys)
+            s3.delete_keys(uri, bucket, keys)
             removed += 1
             with _failed_lock:
                 _failed.get(uri, set()).discard(token)

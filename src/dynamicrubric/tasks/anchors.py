@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     pass
 
 from dynamicrubric.tasks.checkers import is_verifiable, score_group
-from dynamicrubric.tasks.sources import ANCHOR_COLUMNS, TaskError, _present, _stem, read_records
+from dynamicrubric.tasks.sources import ANCHOR_COLUMNS, TaskError, is_present, read_records, uri_stem
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def load_nectar(uri: str) -> pd.DataFrame:
     ranks equal carry no order and are dropped (counted in the log).
     """
     records = read_records(uri)
-    stem = _stem(uri)
+    stem = uri_stem(uri)
     rows: list[dict] = []
     dropped = 0
     for i, rec in enumerate(records):
@@ -80,7 +80,7 @@ def load_nectar(uri: str) -> pd.DataFrame:
         if len(texts) < 2 or len(set(ranks)) < 2:
             dropped += 1
             continue
-        list_id = str(rec["id"]) if _present(rec.get("id")) else f"{stem}/{i}"
+        list_id = str(rec["id"]) if is_present(rec.get("id")) else f"{stem}/{i}"
         ranked = zip(range(len(texts)), texts, _dense_ranks(ranks, best_is_low=True), strict=True)
         rows += _list_rows(list_id, _nectar_prompt(prompt), ranked, "nectar")
     if dropped:
@@ -123,7 +123,7 @@ def load_pairs(uri: str) -> pd.DataFrame:
     """Lists of two (chosen rank 1, rejected rank 2) from a RewardBench-style file with `prompt`,
     `chosen` and `rejected`; pairs whose two responses are identical carry no order and are dropped."""
     records = read_records(uri)
-    stem = _stem(uri)
+    stem = uri_stem(uri)
     rows: list[dict] = []
     dropped = 0
     for i, rec in enumerate(records):
@@ -136,7 +136,7 @@ def load_pairs(uri: str) -> pd.DataFrame:
         if chosen == rejected:
             dropped += 1
             continue
-        list_id = str(rec["id"]) if _present(rec.get("id")) else f"{stem}/{i}"
+        list_id = str(rec["id"]) if is_present(rec.get("id")) else f"{stem}/{i}"
         rows += _list_rows(list_id, prompt, [(0, chosen, 1), (1, rejected, 2)], "pairs")
     if dropped:
         log.info("%s: dropped %d pair(s) whose chosen and rejected are identical", uri, dropped)

@@ -14,7 +14,7 @@ from dynamicrubric.infra.sandbox import SandboxResult, check_humaneval, check_hu
 if TYPE_CHECKING:
     pass
 
-from dynamicrubric.tasks.sources import TaskError, _present, _rg_dataset
+from dynamicrubric.tasks.sources import TaskError, is_present, reasoning_gym_dataset
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def _normalise(text: str) -> str:
 def is_verifiable(prompt_row: dict) -> bool:
     """True if `score_response` can score responses to this prompt."""
     source = _meta(prompt_row).get("source")
-    return source in ("reasoning_gym", "humaneval") or _present(prompt_row.get("reference"))
+    return source in ("reasoning_gym", "humaneval") or is_present(prompt_row.get("reference"))
 
 
 def score_response(prompt_row: dict, response: str, *, timeout_s: float = 10) -> float:
@@ -73,7 +73,7 @@ def score_response(prompt_row: dict, response: str, *, timeout_s: float = 10) ->
     meta = _meta(prompt_row)
     source = meta.get("source")
     if source == "reasoning_gym":
-        dataset = _rg_dataset(meta["task"], json.dumps(meta["config"], sort_keys=True), 0, 1)
+        dataset = reasoning_gym_dataset(meta["task"], json.dumps(meta["config"], sort_keys=True), 0, 1)
         entry = meta["entry"]
         score = dataset.score_answer(extract_answer(response, entry.get("answer")), entry)
         return min(1.0, max(0.0, float(score)))
@@ -82,7 +82,7 @@ def score_response(prompt_row: dict, response: str, *, timeout_s: float = 10) ->
         completion = humaneval_completion(meta, response)
         return _code_score(check_humaneval(meta, completion, timeout_s=timeout_s), prompt_row)
     reference = prompt_row.get("reference")
-    if not _present(reference):
+    if not is_present(reference):
         raise TaskError(
             f"prompt {prompt_row.get('prompt_id')!r} has no reference answer and no verifiable task; "
             "it cannot be scored by outcome"
@@ -135,7 +135,7 @@ def _code_score(result: SandboxResult, prompt_row: dict) -> float:
 
 def _meta(prompt_row: dict) -> dict:
     meta = prompt_row.get("meta")
-    if not _present(meta):
+    if not is_present(meta):
         return {}
     if isinstance(meta, dict):
         return meta

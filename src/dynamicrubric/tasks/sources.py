@@ -137,7 +137,7 @@ def _parse_rg_source(source: str) -> tuple[str, dict[str, Any]]:
 
 
 @cache
-def _rg_dataset(task: str, config_json: str, seed: int, size: int):
+def reasoning_gym_dataset(task: str, config_json: str, seed: int, size: int):
     import reasoning_gym
     from reasoning_gym.factory import DATASETS
 
@@ -157,7 +157,7 @@ def _reasoning_gym_prompts(source: str, num_prompts: int, split: str, seed: int)
     # of different tasks and of train/eval apart, instead of all tasks drawing the same numbers.
     split_seed = _stable_int(f"{task}/{split}/{seed}")
     max_tries = 50 * num_prompts + 1000
-    dataset = _rg_dataset(task, json.dumps(config, sort_keys=True), split_seed, max_tries)
+    dataset = reasoning_gym_dataset(task, json.dumps(config, sort_keys=True), split_seed, max_tries)
     rows, seen = [], set()
     for idx in range(max_tries):
         entry = dataset[idx]
@@ -236,7 +236,7 @@ def _looks_like_file(source: str) -> bool:
 
 def _file_prompts(uri: str, num_prompts: int, split: str, seed: int) -> list[dict]:
     records = read_records(uri)
-    stem = _stem(uri)
+    stem = uri_stem(uri)
     candidates = []
     for i, rec in enumerate(records):
         if "prompt" not in rec:
@@ -244,7 +244,7 @@ def _file_prompts(uri: str, num_prompts: int, split: str, seed: int) -> list[dic
         prompt = rec["prompt"]
         if not isinstance(prompt, str) or not prompt.strip():
             raise TaskError(f"{uri}: row {i}: 'prompt' must be non-empty text, got {prompt!r}")
-        pid = str(rec["id"]) if _present(rec.get("id")) else f"{stem}/{i}"
+        pid = str(rec["id"]) if is_present(rec.get("id")) else f"{stem}/{i}"
         if "split" in rec:
             if rec["split"] not in ("train", "eval"):
                 raise TaskError(f"{uri}: row {i}: 'split' must be 'train' or 'eval', got {rec['split']!r}")
@@ -258,7 +258,7 @@ def _file_prompts(uri: str, num_prompts: int, split: str, seed: int) -> list[dic
                 "prompt_id": pid,
                 "task": "user",
                 "prompt": prompt,
-                "reference": str(ref) if _present(ref) else None,
+                "reference": str(ref) if is_present(ref) else None,
                 "meta": json.dumps({"source": "user", "uri": uri, "row": i}),
             }
         )
@@ -268,7 +268,7 @@ def _file_prompts(uri: str, num_prompts: int, split: str, seed: int) -> list[dic
     return candidates[:num_prompts]
 
 
-def _present(value: Any) -> bool:
+def is_present(value: Any) -> bool:
     if value is None:
         return False
     if isinstance(value, float) and math.isnan(value):
@@ -276,7 +276,7 @@ def _present(value: Any) -> bool:
     return not (isinstance(value, str) and not value.strip())
 
 
-def _stem(uri: str) -> str:
+def uri_stem(uri: str) -> str:
     name = PurePosixPath(uri.rstrip("/")).name
     for suffix in (".gz", ".jsonl", ".json", ".parquet", ".pq"):
         name = name.removesuffix(suffix)
