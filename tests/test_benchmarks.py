@@ -9,6 +9,7 @@ answer, one whose calls fail.
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import re
@@ -25,6 +26,7 @@ from dynamicrubric.engines import EngineError
 from dynamicrubric.engines.chat_judge import ChatJudge
 from dynamicrubric.evaluation import benchmarks
 from dynamicrubric.evaluation.benchmark_runs import (
+    PROTOCOL_LABELS,
     benchmark_answers,
     benchmark_judge,
     benchmark_prompts,
@@ -370,7 +372,12 @@ def test_the_tiny_run_reports_each_benchmark_per_round_alike_in_its_table_mlflow
     evaluated = {int(r.data.tags[tracking.ROUND_TAG]): r.data.metrics for r in runs}
     assert sorted(evaluated) == list(range(1, cfg.pipeline.rounds + 1))
     page = _BenchmarkCells()
-    page.feed((tiny_run["run_folder"] / "report.html").read_text())
+    html_text = (tiny_run["run_folder"] / "report.html").read_text()
+    page.feed(html_text)
+    assert all(
+        f"<li>{title}: {html.escape(PROTOCOL_LABELS['quick'])}</li>" in html_text
+        for title in ("AlpacaEval 2", "WritingBench")
+    )
     titles = {
         "alpaca_eval": ("AlpacaEval 2", "AlpacaEval 2 WR"),
         "arena_hard_v2": ("Arena-Hard v2.0", "Arena-Hard v2.0"),
@@ -383,10 +390,11 @@ def test_the_tiny_run_reports_each_benchmark_per_round_alike_in_its_table_mlflow
             value, lo, hi, n = (metrics[f"{name}/{k}"] for k in (main, f"{main}_lo", f"{main}_hi", "n"))
             row = printed[(t, title)]
             assert row.startswith(f"{value:.3f} [{lo:.2f}, {hi:.2f}]"), (row, value, lo, hi)
-            assert row.split()[-2:] == [str(int(n)), str(int(metrics[f"{name}/failed"]))], row
+            assert row.split()[-3:] == [str(int(n)), str(int(metrics[f"{name}/failed"])), "quick"], row
             assert page.cells[("cells", f"P_{t} (round {t})", column)] == pytest.approx(value)
     for run in runs:  # each round's evaluate run traced judged benchmark prompts, naming the judge
         assert run.data.tags["benchmark_judge"] == "V (tiny-random, the frozen verifier)"
+        assert all(run.data.tags[f"benchmark_protocol/{name}"] == PROTOCOL_LABELS["quick"] for name in names)
         traces = client.search_traces(
             locations=[experiment], filter_string=f"metadata.mlflow.sourceRun = '{run.info.run_id}'"
         )
@@ -397,3 +405,98 @@ def test_the_tiny_run_reports_each_benchmark_per_round_alike_in_its_table_mlflow
             for tr in benchmark
             for a in tr.info.assessments
         )
+
+
+# ---- AlpacaEval 2 by its own protocol (alpaca_eval's annotator; evaluation/alpaca_eval_judging.py)
+
+
+class LabelJudge(Planted):
+    """A judge asked for the log-probabilities of AlpacaEval's labels m and M after its prompt: P(the label
+    of the answer `rule` picks), `rule(first shown, second shown)` giving P(first)."""
+
+    def __init__(self, model_ref: str, rule) -> None:
+        super().__init__(model_ref)
+        self.rule = rule
+
+    def logprobs(self, prompts, completions):
+        out = []
+        for prompt, label in zip(prompts, completions, strict=True):
+            first, second = re.findall(r'"output": """(.*?)"""', prompt, re.S)
+            p_first = self.rule(first, second)
+            out.append([math.log(p_first if label == "m" else 1 - p_first)])
+        return out
+
+
+def _policy_first_bias(first: str, second: str) -> float:
+    """Prefers the policy's answer (Verbose's "word word ...") 60% of the time over the two positions, and
+    whatever it is shown first by 25 points more: a position bias larger than its preference's margin."""
+    p_policy = 0.60 + (0.25 if first.startswith("word ") else -0.25)
+    return p_policy if first.startswith("word ") else 1 - p_policy
+
+
+def test_alpaca_eval_official_keeps_a_position_biased_judges_preference():
+    """The quick protocol calls this judge's every prompt a tie (0.500); AlpacaEval's own (one seeded order
+    per instruction, the continuous preference) gives its 60%, and says it judged each prompt once."""
+    benches = [{"name": "alpaca_eval", "prompts": 200, "protocol": "official"}]
+    rows, results, _ = _run(
+        _cfg(benches),
+        {"P_t": Verbose("P_t"), "P_0": Verbose("P_0"), "V": LabelJudge("V", _policy_first_bias)},
+    )
+    assert abs(rows[("alpaca_eval", "win_rate")] - 0.60) <= 0.05
+    assert rows[("alpaca_eval", "n")] == 200 and rows[("alpaca_eval", "failed")] == 0
+    assert (
+        rows[("alpaca_eval", "win_rate_lo")]
+        < rows[("alpaca_eval", "win_rate")]
+        < rows[("alpaca_eval", "win_rate_hi")]
+    )
+    assert ("alpaca_eval", "lc_win_rate") not in rows  # no df_gamed.csv in the HF cache here: never called LC
+    assert ("alpaca_eval", "lc_minimal") in rows
+    asked = results.questions[results.questions["measure"] == "vs_baseline"]
+    assert len(asked) == 200 and (asked["question"] == "weighted_alpaca_eval_gpt4_turbo").all()
+    quick, _, _ = _run(
+        _cfg([{"name": "alpaca_eval", "prompts": 20}]),
+        {
+            "P_t": Verbose("P_t"),
+            "P_0": Verbose("P_0"),
+            "V": PairJudge("V", lambda a, b: 0.85 if a.startswith("word ") else 0.65),
+        },
+    )
+    assert quick[("alpaca_eval", "win_rate")] == 0.5
+
+
+def test_alpaca_eval_official_through_a_chat_endpoint_counts_a_failed_call(monkeypatch):
+    """AlpacaEval's own messages (its system and user turns) go to the endpoint, which is asked for the
+    first token's top log-probs; a reply without m or M is a failed call, counted, never a loss."""
+    monkeypatch.setenv("JUDGE_KEY", "secret")
+    server = _ChatServer(
+        lambda text: (
+            [("Both", -0.1)] if "alpaca_eval-fail" in text else [("M", math.log(0.7)), ("m", math.log(0.3))]
+        )
+    )
+    cfg = _cfg(
+        [{"name": "alpaca_eval", "prompts": 8, "protocol": "official"}],
+        url=server.url,
+        api_key_env="JUDGE_KEY",
+        served_model="gpt-4.1",
+    )
+    prompts = benchmark_prompts(cfg)
+    prompts["alpaca_eval"].loc[prompts["alpaca_eval"].index[0], "prompt"] = "alpaca_eval-fail: say hello"
+    engines = {"P_t": Verbose("P_t"), "P_0": Verbose("P_0")}
+    answers = benchmark_answers(cfg, prompts, engines.__getitem__, policy="P_t", base="P_0", seed=0)
+    judge = benchmark_judge(cfg, engines.__getitem__, verifier="V")
+    results = judge_benchmarks(cfg, prompts, answers, judge, seed=0)
+    rows = {(b, m): v for b, m, v in results.rows}
+    assert rows[("alpaca_eval", "n")] == 7 and rows[("alpaca_eval", "failed")] == 1
+    judged = results.questions[results.questions["measure"] == "vs_baseline"]["p_yes"].dropna()
+    # The judge always prefers what it shows as M: the policy's answer wherever it was shown second.
+    assert set(np.round(judged, 6)) <= {0.7, 0.3} and len(judged) == 7
+    body = server.requests[-1][1]
+    assert [m["role"] for m in body["messages"]] == ["system", "user"]
+    assert body["top_logprobs"] == 20 and body["max_tokens"] == 1
+    assert rows[("benchmark_judge", "calls_missing_label_tokens")] == 2  # vs the baseline, vs P_0
+    server.shutdown()
+
+
+def test_an_official_protocol_not_implemented_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="arena_hard_v2: its official protocol is not implemented yet"):
+        _cfg([{"name": "arena_hard_v2", "prompts": 2, "protocol": "official"}])

@@ -8,12 +8,16 @@ one chat message, and the reply's first token's
 the label spellings the engines count (engines/base.py). A label missing from the top 20 counts as
 probability 0; a reply with neither is a failed call (`missing_label_tokens`), as is any request that
 fails after its retries: its P(yes) is NaN, counted in the ledger, never a verdict.
+
+`label_logprobs` asks the same way for a benchmark's own labels (AlpacaEval 2's m and M), the messages sent
+as the benchmark's annotator writes them (a system turn included).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from dynamicrubric.engines.base import (
@@ -107,8 +111,43 @@ class ChatJudge(Engine, ServedClient):
         with bar_or(bar, len(questions), desc) as progress:
             return self._map(one, questions, progress)
 
+    def label_logprobs(
+        self, conversations: list[list[dict[str, str]]], labels: Sequence[str], desc: str = "judge"
+    ) -> list[dict[str, float] | None]:
+        """Each conversation (chat messages, sent as they are) answered with one token: the log-probability
+        of each of `labels` among that token's top log-probs (a label missing from them is left out), or None
+        where the call failed or none of the labels came back (`missing_label_tokens`). What a benchmark's
+        own annotator reads (evaluation/alpaca_eval_judging.py: AlpacaEval 2's m and M)."""
+        end = self._call_end()
+        wanted = set(labels)
 
-def _p_yes(answer: dict) -> float:
+        def parse(answer: dict) -> dict[str, float]:
+            found = {token: value for token, value in _first_token_top(answer) if token in wanted}
+            if not found:
+                raise RequestLost(
+                    "missing_label_tokens",
+                    f"none of {sorted(wanted)} among the first token's top log-probs",
+                    False,
+                )
+            return found
+
+        def one(messages: list[dict[str, str]]) -> tuple[dict[str, float] | None, int]:
+            body = {
+                "model": self.served_model,
+                "messages": messages,
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "logprobs": True,
+                "top_logprobs": TOP_LOGPROBS,
+            }
+            return self._request("POST", "/v1/chat/completions", body, parse=parse, end=end), 1
+
+        with bar_or(None, len(conversations), desc) as progress:
+            return self._map(one, conversations, progress)
+
+
+def _first_token_top(answer: dict) -> list[tuple[str, float]]:
+    """The reply's first token's top log-probs as (token, log-prob), each checked."""
     choice = checked_choices(answer, 1)[0]
     reply_finish_reasons([choice])
     logprobs: Any = choice.get("logprobs")
@@ -120,14 +159,21 @@ def _p_yes(answer: dict) -> float:
     )
     if not isinstance(top, list) or not all(isinstance(t, dict) for t in top):
         raise RequestLost("malformed", "a choice without the first token's top_logprobs", False)
-    yes, no = [], []
+    out = []
     for entry in top:
         token, value = entry.get("token"), entry.get("logprob")
         if not isinstance(token, str) or isinstance(value, bool) or not isinstance(value, int | float):
             raise RequestLost("malformed", f"a top_logprobs entry {entry!r}", False)
         if math.isnan(value) or value > 0:
             raise RequestLost("malformed", f"token {token!r} has log-prob {value!r}", False)
-        (yes if token in _YES else no if token in _NO else []).append(float(value))
+        out.append((token, float(value)))
+    return out
+
+
+def _p_yes(answer: dict) -> float:
+    yes, no = [], []
+    for token, value in _first_token_top(answer):
+        (yes if token in _YES else no if token in _NO else []).append(value)
     if not yes and not no:
         raise RequestLost(
             "missing_label_tokens", "neither yes nor no among the first token's top log-probs", False

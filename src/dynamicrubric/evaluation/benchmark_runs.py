@@ -9,6 +9,12 @@ benchmark_scores.py):
 - checklist (WritingBench): every criterion of a query's checklist asked of P_t's answer and of P_0's as a
   yes/no question; the score is the mean P(yes) per criterion (0–1), not WritingBench's 1–10 critic score.
 
+That is the quick protocol, named as "not comparable with the benchmark's leaderboard" wherever its numbers
+are shown. A benchmark configured with `protocol: official` is judged by its own protocol instead: so far
+AlpacaEval 2, by alpaca_eval's annotator (alpaca_eval_judging.py) and metrics (one seeded order per
+instruction, a continuous preference from the judge's m/M log-probabilities, the LC where df_gamed.csv is at
+hand).
+
 The judge is `evaluate.benchmark_judge`: a model run in this process, or an OpenAI-compatible chat
 endpoint (`url`, `served_model`, `api_key_env`: GPT-4.1 for the paper's re-judging). By default it is the
 frozen verifier V, never the generator being trained, and every table says which judge it was. A failed
@@ -17,7 +23,9 @@ judge call (NaN) leaves its prompt out, counted as failed, never a loss or a win
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -25,14 +33,17 @@ import numpy as np
 import pandas as pd
 
 from dynamicrubric.engines import Engine, load_judge
+from dynamicrubric.engines.chat_judge import ChatJudge
+from dynamicrubric.evaluation.alpaca_eval_judging import ANNOTATOR, annotate, engine_label_logprobs
 from dynamicrubric.evaluation.benchmark_scores import (
+    alpaca_eval_scores,
     bootstrap_interval,
     checklist_scores,
     length_controlled_win_rate,
     pairwise_outcomes,
     pairwise_summary,
 )
-from dynamicrubric.evaluation.benchmarks import BENCHMARKS, benchmark_subset, load_benchmark
+from dynamicrubric.evaluation.benchmarks import BENCHMARKS, BenchmarkError, benchmark_subset, load_benchmark
 from dynamicrubric.infra.config import Config
 from dynamicrubric.scoring.prompts import (
     PAIRWISE_QUESTION,
@@ -43,6 +54,15 @@ from dynamicrubric.scoring.prompts import (
     split_chat_prompt,
 )
 from dynamicrubric.scoring.rollout import policy_prompt
+
+log = logging.getLogger(__name__)
+
+# How a benchmark's protocol (evaluate.benchmarks[].protocol) is named beside its numbers: the round table's
+# legend, the page, and the evaluate run's MLflow tags (benchmark_protocol/<name>).
+PROTOCOL_LABELS = {
+    "quick": "quick protocol (yes/no per order, P(yes) thresholded): not comparable with the benchmark's leaderboard",
+    "official": "official protocol: the benchmark's own annotator, prompt and scoring",
+}
 
 WHO = ("policy", "base")  # P_t's answers, P_0's
 
@@ -61,6 +81,15 @@ class Judge:
         render = partial(self.engine.chat_prompt, enable_thinking=False)
         split = [split_chat_prompt(render, context, question) for context, question in pairs]
         return self.engine.yes_probability(split, desc="benchmark judge")
+
+    def label_logprobs(
+        self, conversations: list[list[dict[str, str]]], labels: Sequence[str]
+    ) -> list[dict[str, float] | None]:
+        """Each label's log-probability as the first answer token of each conversation, None where the call
+        failed: what a benchmark's own annotator reads (the official protocol)."""
+        if isinstance(self.engine, ChatJudge):
+            return self.engine.label_logprobs(conversations, labels, desc="benchmark judge")
+        return engine_label_logprobs(self.engine)(conversations, labels)
 
     def calls(self) -> dict[str, int]:
         ledger = getattr(self.engine, "ledger", None)
@@ -149,6 +178,7 @@ class BenchmarkResults:
     questions: pd.DataFrame  # benchmark, id, measure, order, criterion, context, question, p_yes
     answers: dict[tuple[str, str, str], str]  # (benchmark, id, who) -> the answer; who "baseline" too
     judge: str
+    protocols: dict[str, str] = field(default_factory=dict)  # benchmark -> quick | official
     rows: list[tuple[str, str, float]] = field(default_factory=list)  # (benchmark, metric, value)
     units: list[pd.DataFrame] = field(default_factory=list)  # variant, measure, unit_id, value
 
@@ -175,6 +205,7 @@ class BenchmarkResults:
             "benchmark": name,
             "id": prompt_id,
             "judge": self.judge,
+            "protocol": self.protocols.get(name, "quick"),
             "answers": {
                 w: self.answers[(name, prompt_id, w)]
                 for w in ("policy", "base", "baseline")
@@ -209,8 +240,11 @@ def judge_benchmarks(
                 {(name, i, "baseline"): text for i, text in zip(frame["id"], frame["baseline"], strict=True)}
             )
     comparisons = [c for c in COMPARISONS if first_round or c[0] != "p0_vs_baseline"]
+    official = {b.name for b in cfg.evaluate.benchmarks if b.protocol == "official" and b.name in prompts}
     asked = []
     for name, frame in prompts.items():
+        if name in official:
+            continue  # judged by its own annotator below
         pairwise = BENCHMARKS[name].kind == "pairwise"
         for row in frame.itertuples(index=False):
             asked += (
@@ -222,10 +256,14 @@ def judge_benchmarks(
     questions = pd.DataFrame(asked, columns=columns)
     verdicts = judge.ask(list(zip(questions["context"], questions["question"], strict=True))) if asked else []
     questions["p_yes"] = np.asarray(verdicts, float)
-    results = BenchmarkResults(questions, by, judge.label)
+    protocols = {b.name: b.protocol for b in cfg.evaluate.benchmarks if b.name in prompts}
+    results = BenchmarkResults(questions, by, judge.label, protocols)
     for name, frame in prompts.items():
         mine = questions[questions["benchmark"] == name]
-        if BENCHMARKS[name].kind == "pairwise":
+        if name in official:
+            spec = next(b for b in cfg.evaluate.benchmarks if b.name == name)
+            _alpaca_eval_official(results, frame, comparisons, judge, spec.df_gamed, seed)
+        elif BENCHMARKS[name].kind == "pairwise":
             for measure, who, _ in comparisons:
                 _pairwise(results, name, frame, mine[mine["measure"] == measure], measure, who, seed)
         else:
@@ -291,6 +329,70 @@ def _pairwise(
         results.rows.append(
             (name, f"lc_win_rate{suffix}", length_controlled_win_rate(outcomes, chars, baseline_chars))
         )
+
+
+ALPACA_EVAL_ID = re.compile(r"alpaca_eval-(\d+)")
+
+
+def _alpaca_eval_official(
+    results: BenchmarkResults,
+    frame: pd.DataFrame,
+    comparisons: list[tuple[str, str, str]],
+    judge: Judge,
+    df_gamed: str,
+    seed: int,
+) -> None:
+    """AlpacaEval 2 by its own protocol (alpaca_eval_judging.py, benchmark_scores.alpaca_eval_scores), per
+    comparison: the judged answer as alpaca_eval's output_2 against the other as output_1. Rows as the quick
+    protocol's (win rates as fractions, ×100 on the leaderboard) plus the discrete win rate; the LC only
+    where df_gamed.csv was at hand (else lc_minimal) and at least ALPACA_EVAL_MIN_N prompts were judged. The
+    questions table gets one row per prompt and comparison: the annotator's question, the preference for
+    the judged answer (preference - 1) as its p_yes."""
+    name = "alpaca_eval"
+    ids = list(frame["id"])
+    positions = [ALPACA_EVAL_ID.fullmatch(str(i)) for i in ids]
+    if not all(positions):
+        bad = next(i for i, p in zip(ids, positions, strict=True) if not p)
+        raise BenchmarkError(
+            f"alpaca_eval: the official protocol looks each instruction's difficulty up by its place in "
+            f"AlpacaEval's 805 (ids alpaca_eval-NNN); got id {bad!r}. Use protocol: quick for other prompts"
+        )
+    rows = []
+    for measure, who, against in comparisons:
+        annotations = annotate(
+            list(frame["prompt"]),
+            [results.answers[(name, i, against)] for i in ids],
+            [results.answers[(name, i, who)] for i in ids],
+            judge.label_logprobs,
+        )
+        annotations.index = pd.Index([int(p.group(1)) for p in positions])
+        path = None if df_gamed in ("", "hub") else df_gamed  # "": the HF cache; "hub": fetched there
+        scores = alpaca_eval_scores(annotations, path, download=df_gamed == "hub")
+        preferred = annotations["preference"].to_numpy() - 1  # P(the judged answer is the better)
+        low, high = bootstrap_interval(preferred, seed)
+        suffix = SUFFIX[measure]
+        numbers = {
+            "win_rate": scores.win_rate / 100,
+            "win_rate_lo": low,
+            "win_rate_hi": high,
+            "discrete_win_rate": scores.discrete_win_rate / 100,
+            "n": scores.n,
+            "failed": scores.failed,
+            "lc_win_rate": None
+            if scores.length_controlled_winrate is None
+            else scores.length_controlled_winrate / 100,
+            "lc_minimal": None if scores.lc_minimal is None else scores.lc_minimal / 100,
+        }
+        for key, value in numbers.items():
+            if value is not None:
+                base, bound = (key[:-3], key[-3:]) if key.endswith(("_lo", "_hi")) else (key, "")
+                results.rows.append((name, f"{base}{suffix}{bound}", float(value)))
+        if scores.lc_note:
+            log.info("AlpacaEval 2 (%s): no LC: %s", measure, scores.lc_note)
+        results.units.append(_units(name, f"win{suffix}", ids, preferred))
+        rows += [(name, i, measure, 0, "", "", ANNOTATOR, p) for i, p in zip(ids, preferred, strict=True)]
+    asked = pd.DataFrame(rows, columns=[*results.questions.columns[:7], "p_yes"])
+    results.questions = pd.concat([results.questions, asked], ignore_index=True)
 
 
 def _checklist(results: BenchmarkResults, name: str, asked: pd.DataFrame, seed: int) -> None:

@@ -77,12 +77,34 @@ class GuardConfig(Section):
     gold_judge: JudgeSpec = JudgeSpec()
 
 
+# The benchmarks whose own protocol (`protocol: official`) is implemented: AlpacaEval 2 by alpaca_eval's
+# annotator (evaluation/alpaca_eval_judging.py). The others are judged by the quick protocol only.
+OFFICIAL_PROTOCOL = ("alpaca_eval",)
+
+
 class BenchmarkConfig(Section):
     """One open-ended benchmark of the paper's policy table, judged every round (evaluation/benchmarks.py)."""
 
     name: Literal["alpaca_eval", "arena_hard_v2", "writingbench"]
     prompts: int | None = Field(None, ge=1)  # a seeded subset of this many prompts; None: all of them
     file: str = ""  # a file of the same shape (JSONL or Parquet, local or s3://) instead of the package's
+    # quick: one yes/no question per order, P(yes) thresholded (evaluation/benchmark_runs.py), labelled "not
+    # comparable with the benchmark's leaderboard" wherever shown. official: the benchmark's own protocol.
+    protocol: Literal["quick", "official"] = "quick"
+    # AlpacaEval 2's df_gamed.csv (the instructions' difficulty and the gamed baselines its LC needs): a path,
+    # "" for alpaca_eval's HF cache, "hub" to download it there. Without it the LC is reported as lc_minimal.
+    df_gamed: str = ""
+
+    @model_validator(mode="after")
+    def _protocol_exists(self) -> BenchmarkConfig:
+        if self.protocol == "official" and self.name not in OFFICIAL_PROTOCOL:
+            raise ValueError(
+                f"{self.name}: its official protocol is not implemented yet (official: {list(OFFICIAL_PROTOCOL)});"
+                " use protocol: quick"
+            )
+        if self.df_gamed and self.name != "alpaca_eval":
+            raise ValueError(f"{self.name}: df_gamed is AlpacaEval 2's file, not this benchmark's")
+        return self
 
 
 class EvaluateConfig(Section):

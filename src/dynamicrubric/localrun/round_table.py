@@ -52,6 +52,12 @@ LEGEND = [
     ("vs_p0", "P_t's win rate over P_0's answers (WritingBench: P_t's score minus P_0's)"),
     ("p0", "P_0's number against the baseline, as vs_baseline (win rates: judged in a run's first round)"),
     ("failed", "benchmark prompts with a failed judge call: left out of n, never a loss"),
+    (
+        "protocol",
+        "quick: the project's yes/no questions, not comparable with the benchmark's leaderboard; official: the "
+        "benchmark's own annotator and scoring (AlpacaEval 2: alpaca_eval's; its win rates x100 are the "
+        "leaderboard's)",
+    ),
 ]
 
 
@@ -85,15 +91,18 @@ def round_table(cfg: Config, parent_run_id: str) -> list[dict]:
                 "policy_acc": _with_n(ev, "policy/accuracy", "policy/samples"),
                 "win_rate": _with_n(ev, "policy/win_rate", "policy/win_rate_prompts"),
                 **_guard_columns(cfg, ev, by_run.get("train-policy")),
-                "benchmarks": {b.name: _benchmark_cells(b.name, ev) for b in cfg.evaluate.benchmarks},
+                "benchmarks": {
+                    b.name: _benchmark_cells(b.name, b.protocol, ev) for b in cfg.evaluate.benchmarks
+                },
             }
         )
     return table
 
 
-def _benchmark_cells(name: str, ev: dict) -> dict:
+def _benchmark_cells(name: str, protocol: str, ev: dict) -> dict:
     """One benchmark's line of the round table from the evaluate metrics (evaluation/benchmark_runs.py):
-    P_t against the baseline (a checklist's: P_t's score) and against P_0, each with its 95% interval."""
+    P_t against the baseline (a checklist's: P_t's score) and against P_0, each with its 95% interval, and
+    the protocol that measured them."""
     from dynamicrubric.evaluation.benchmarks import BENCHMARKS
 
     pairwise = BENCHMARKS[name].kind == "pairwise"
@@ -106,6 +115,7 @@ def _benchmark_cells(name: str, ev: dict) -> dict:
         "p0": ev.get(f"{name}/{main}_p0"),
         "n": None if f"{name}/n" not in ev else int(ev[f"{name}/n"]),
         "failed": None if f"{name}/failed" not in ev else int(ev[f"{name}/failed"]),
+        "protocol": protocol,
     }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import html
 
+from dynamicrubric.evaluation.benchmark_runs import PROTOCOL_LABELS
 from dynamicrubric.evaluation.benchmarks import BENCHMARKS
 
 # (column heading, benchmark, metric): the paper's columns, each against the benchmark's baseline.
@@ -39,9 +40,9 @@ def _cell(metrics: dict, name: str, metric: str) -> dict | None:
     }
 
 
-def table_data(evaluate_metrics: dict[int, dict], judge: str, configured: list[str]) -> dict:
+def table_data(evaluate_metrics: dict[int, dict], judge: str, configured: dict[str, str]) -> dict:
     """The table's rows from each round's evaluate metrics ({round: metrics}); P_0's row from the first
-    round that judged it (its `_p0` numbers)."""
+    round that judged it (its `_p0` numbers). `configured`: each benchmark's protocol, by name."""
     columns = [c for c in COLUMNS if c[1] in configured]
     versus = [c for c in VERSUS_P0 if c[1] in configured]
     rows = []
@@ -60,6 +61,7 @@ def table_data(evaluate_metrics: dict[int, dict], judge: str, configured: list[s
         )
     return {
         "judge": judge,
+        "protocols": {BENCHMARKS[name].title: PROTOCOL_LABELS[p] for name, p in configured.items()},
         "columns": [c[0] for c in columns],
         "versus": [c[0] for c in versus],
         "rows": rows,
@@ -83,10 +85,13 @@ def section(data: dict | None) -> str:
         return "<p>(no benchmark configured: evaluate.benchmarks)</p>"
     e = html.escape
     out = [
-        f"<p>Judged by <b>{e(data['judge'])}</b>. Win rates count a split verdict (the judge changed its mind "
-        "when the answers swapped places) as a tie, half a win; a prompt whose judge call failed is left "
+        f"<p>Judged by <b>{e(data['judge'])}</b>. Under the quick protocol, win rates count a split verdict (the "
+        "judge changed its mind when the answers swapped places) as a tie, half a win; a prompt whose judge call failed is left "
         "out of n, never a loss. WritingBench is the mean P(yes) over each query's checklist (0–1), not "
-        "its 1–10 critic score.</p>"
+        "its 1–10 critic score.</p>",
+        '<ul class="protocols">'
+        + "".join(f"<li>{e(title)}: {e(label)}</li>" for title, label in data.get("protocols", {}).items())
+        + "</ul>",
     ]
     for caption, headings, key in (
         ("against the baseline answers", data["columns"], "cells"),

@@ -91,7 +91,9 @@ def collect(cfg: Config, parent_run_id: str) -> dict:
             for name, meaning in LEGEND
             if rows and name in rows[0] and name not in GUARD_COLUMNS
         ],
-        "benchmarks": benchmark_table(evaluated, judge_label(cfg), [b.name for b in cfg.evaluate.benchmarks])
+        "benchmarks": benchmark_table(
+            evaluated, judge_label(cfg), {b.name: b.protocol for b in cfg.evaluate.benchmarks}
+        )
         if cfg.evaluate.benchmarks
         else None,
         "guard_action": cfg.guard.action,

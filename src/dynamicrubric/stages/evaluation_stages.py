@@ -8,6 +8,7 @@ import logging
 import time
 
 from dynamicrubric import store
+from dynamicrubric.evaluation.benchmark_runs import PROTOCOL_LABELS
 from dynamicrubric.evaluation.plots import BENCHMARK_PAIRS, TRACED_SETS
 from dynamicrubric.infra import tracking_records
 from dynamicrubric.infra.artifacts import read_frame, write_artifact
@@ -172,6 +173,12 @@ def _evaluate_lineage(run, run_name: str, round_idx: int, values: dict, result: 
         run.log_metrics({"traced_benchmark_prompts": len(ids)})
         if pairs:
             run.set_tags({"benchmark_judge": pairs[0]["judge"]})
+            run.set_tags(
+                {
+                    f"benchmark_protocol/{p['benchmark']}": PROTOCOL_LABELS[p.get("protocol", "quick")]
+                    for p in pairs
+                }
+            )
     for role, metrics in metrics_by_role(result).items():
         model_id = run.find_model(run_name, f"{role}-round-{round_idx}")
         if model_id:  # link each checkpoint to the numbers about its own role
