@@ -279,7 +279,7 @@ class _Step:
     def __init__(self, run: Callable[[], list], folder: Path, caplog, proxies: dict[str, FaultProxy]) -> None:
         self.values: list | None = None
         self.error: RewardError | None = None
-        with caplog.at_level(logging.WARNING, logger="dynamicrubric"):
+        with caplog.at_level(logging.INFO, logger="dynamicrubric"):
             started = time.monotonic()
             try:
                 self.values = run()
@@ -295,6 +295,24 @@ class _Step:
             )
             for role, proxy in proxies.items()
         }
+        # The tries the client retried for want of an answer in time or of a connection, per role and outcome.
+        self.retried_after = {
+            role: {
+                outcome: sum(
+                    f"{proxy.url}{COMPLETIONS}: {outcome} (" in r.getMessage()
+                    and "; retrying in" in r.getMessage()
+                    for r in caplog.records
+                )
+                for outcome in ("timeout", "unreachable")
+            }
+            for role, proxy in proxies.items()
+        }
+
+    def unexplained(self, role: str, fault: str) -> int:
+        """The retries after a timeout or a lost connection that `fault` does not make (its own outcome is
+        neither): a verdict slower than request_timeout_s on a loaded machine, a keep-alive connection gone
+        stale. None of the proxy's doing."""
+        return sum(n for outcome, n in self.retried_after[role].items() if outcome != OUTCOME[fault][0])
 
     def summary(self, prefix: str) -> str:
         """What became of the step, for the test's output (shown when it fails, or with -rP)."""
@@ -309,7 +327,13 @@ class _Step:
 
 
 def _ledger_is_what_the_proxy_did(
-    ledger: dict[str, int], proxy: FaultProxy, fault: str, requests: int, unsent: int, cut_possible: bool
+    ledger: dict[str, int],
+    proxy: FaultProxy,
+    fault: str,
+    requests: int,
+    unsent: int,
+    cut_possible: bool,
+    unexplained: int = 0,
 ) -> tuple[int, int]:
     """Every request ends in one outcome, and each try the proxy saw is in the ledger as what the proxy
     did to it: an honest reply ok, a transient fault a retry or the request's end, a final fault the
@@ -319,12 +343,25 @@ def _ledger_is_what_the_proxy_did(
     budget cut (for floor_yes, whose faulted replies are valid: together).
 
     Both sides send one prompt a request (V one verdict, G one prompt's n samples) and have
-    V_SERVING's concurrency: a lost request is one lost prompt, and at most that many tries are cut."""
+    V_SERVING's concurrency: a lost request is one lost prompt, and at most that many tries are cut.
+
+    `unexplained`: the retries after a timeout or a lost connection that the fault does not make
+    (`_Step.unexplained`). On a loaded machine a verdict can take longer than request_timeout_s: that
+    try, whatever the proxy did to it, is a retry the fault did not cause, so then only the count of
+    tries is checked (each retried or ended its request) and the fault's share is bounded, not exact."""
     outcome, transient = OUTCOME[fault]
-    did = proxy.injected()
+    did = proxy.wait_for_tries(ledger["retries"] + requests - unsent, timeout_s=5.0)
     assert set(did) <= {"ok", fault}, did
     honest, hits = did.get("ok", 0), did.get(fault, 0)
     assert sum(ledger[o] for o in OUTCOMES) == requests, ledger  # one outcome each
+    if unexplained:
+        unseen = ledger["retries"] + requests - unsent - (honest + hits)
+        assert 0 <= unseen <= unexplained + (ledger["timeout"] if cut_possible else 0), (did, ledger, unsent)
+        retried_faults = ledger["retries"] - unexplained
+        assert 0 <= retried_faults <= (hits if transient else 0), (did, ledger, unexplained)
+        assert ledger[outcome] <= hits and ledger["ok"] <= honest, (did, ledger)
+        assert ledger["lost_prompts"] == sum(ledger[o] for o in OUTCOMES if o != "ok")
+        return max(0, honest - ledger["ok"] - unexplained), 0
     # Each try the proxy saw was retried or ended its request; the rest of the requests were never sent.
     # A try the budget cut can be missing from the proxy's count (`unseen`): the client hung up before the
     # proxy's thread read it, or that thread records it after this reads the count (CI saw one under
@@ -391,8 +428,15 @@ def test_a_verifier_fault_costs_rewards_never_changes_them(
     ledger = step.ledger("judge")
     cut_possible = step.seconds >= deadline
     _ledger_is_what_the_proxy_did(
-        ledger, verifier, fault, clean_v["requests"], step.unsent["verifier"], cut_possible
+        ledger,
+        verifier,
+        fault,
+        clean_v["requests"],
+        step.unsent["verifier"],
+        cut_possible,
+        step.unexplained("verifier", fault),
     )
+    hits = verifier.injected().get(fault, 0)  # now that the proxy has recorded every try it got
     folder = tmp_path / "step-00001"
     judgments = _all_judgments(folder)
     # A lost request is a NaN verdict, never a 0 or a yes; every other verdict is the fault-free one,
@@ -407,7 +451,9 @@ def test_a_verifier_fault_costs_rewards_never_changes_them(
     changed = kept["p_yes"] != kept["p_yes_clean"]
     if fault == "floor_yes":
         assert (kept.loc[changed, "p_yes"] == 0.0).all()
-        assert changed.sum() == hits if not cut_possible else changed.sum() <= hits
+        # A faulted reply the client gave up on (the budget cut it, or it came too late) changed nothing.
+        exact = not cut_possible and not step.unexplained("verifier", fault)
+        assert changed.sum() == hits if exact else changed.sum() <= hits
     else:
         assert not changed.any(), kept[changed]
     touched = set(both.loc[both["p_yes"].isna() | (both["p_yes"] != both["p_yes_clean"]), "prompt_id"])
@@ -416,7 +462,12 @@ def test_a_verifier_fault_costs_rewards_never_changes_them(
     outcome, transient = OUTCOME[fault]
     print(f"{fault} at {rate:.0%}: {step.summary('judge')}")
     if transient and rate == 0.1:  # retried, and the retry answered
-        assert ledger["retries"] == hits and ledger[outcome] == 0 and step.values == clean_v["values"]
+        slow = step.unexplained("verifier", fault)
+        assert (
+            hits <= ledger["retries"] <= hits + slow
+            and ledger[outcome] == 0
+            and step.values == clean_v["values"]
+        )
     if transient and rate == 1.0:  # retried until the step's budget ran out
         assert ledger["retries"] > 0 and ledger["ok"] == 0
     if step.error is not None:
@@ -469,7 +520,13 @@ def test_a_generator_fault_costs_rewards_never_changes_them(
     assert step.seconds <= 2 * deadline + SLACK_S, step.seconds  # G's budget, then V's
     ledger = step.ledger("rubrics")
     _ledger_is_what_the_proxy_did(
-        ledger, generator, fault, GROUPS, step.unsent["generator"], step.seconds >= deadline
+        ledger,
+        generator,
+        fault,
+        GROUPS,
+        step.unsent["generator"],
+        step.seconds >= deadline,
+        step.unexplained("generator", fault),
     )
     # V was honest: every judge request it got is an ok verdict
     judge = step.ledger("judge")

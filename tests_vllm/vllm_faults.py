@@ -185,7 +185,7 @@ class FaultyServer(ThreadingHTTPServer):
         self.faults: Rule = lambda path, body: None
         self.stall_s, self.trickle_s = 3.0, 0.05
         self.seen: list[tuple[str, str]] = []
-        self._seen_lock = threading.Lock()
+        self._seen_lock = threading.Condition()
         super().__init__(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
 
@@ -198,6 +198,14 @@ class FaultyServer(ThreadingHTTPServer):
                     counts[fault] = counts.get(fault, 0) + 1
         return counts
 
+    def wait_for_tries(self, tries: int, timeout_s: float, path: str = COMPLETIONS) -> dict[str, int]:
+        """`injected(path)` once the server has recorded at least `tries` requests to `path`, or after
+        `timeout_s`: a try the client gave up on is read and recorded by its handler thread when that thread
+        gets its turn, which on a loaded machine can be after the client's step has ended."""
+        with self._seen_lock:
+            self._seen_lock.wait_for(lambda: sum(p == path for p, _ in self.seen) >= tries, timeout_s)
+        return self.injected(path)
+
     def reset(self, rule: Rule | None = None) -> None:
         self.faults = rule or (lambda path, body: None)
         with self._seen_lock:
@@ -207,6 +215,7 @@ class FaultyServer(ThreadingHTTPServer):
         fault = self.faults(path, body)
         with self._seen_lock:
             self.seen.append((path, fault or "ok"))
+            self._seen_lock.notify_all()
         return fault
 
     @contextlib.contextmanager
