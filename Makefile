@@ -41,10 +41,11 @@ $(VLLM_STAMP): pyproject.toml images/gpu-shared.txt images/gpu-constraints.txt i
 	# The project without its dependencies (vllm brings torch, transformers, xgrammar, pydantic, yaml).
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
 	# What the reward functions need beside vllm's own set, to run them against a real server here
-	# (scikit-learn and patsy at the GPU image's pins: alpaca_eval's LC, evaluation/benchmark_scores.py).
+	# (at the GPU image's pins: scikit-learn and patsy for alpaca_eval's LC, evaluation/benchmark_scores.py;
+	# fire and datasets, which importing alpaca_eval's annotator needs, evaluation/alpaca_eval_judging.py).
 	$(VLLM_VENV)/bin/pip install -q -c $(VLLM_VENV)/gpu-pins.txt pytest pytest-timeout pandas \
 		'pyarrow>=18,<26' boto3 accelerate 'gguf>=0.17' \
-		$$(grep -E '^(scikit-learn|patsy)==' images/gpu-constraints.txt)
+		$$(grep -E '^(scikit-learn|patsy|fire|datasets)==' images/gpu-constraints.txt)
 	$(VLLM_VENV)/bin/pip install -q --no-deps --require-hashes -r images/benchmarks.txt
 	touch $(VLLM_STAMP)
 

@@ -298,3 +298,43 @@ def test_the_benchmark_judge_through_a_chat_endpoint_judges_a_benchmark_subset(s
     assert rows[("writingbench", "n")] == 1 and 0 <= rows[("writingbench", "score")] <= 1
     assert rows[("benchmark_judge", "calls_ok")] == len(asked) + 1  # and the model listing
     assert judge.label.endswith(f"at {servers['verifier']}")
+
+
+def test_alpaca_eval_official_through_a_chat_endpoint_matches_the_in_process_judge(servers, hf) -> None:
+    """AlpacaEval 2 by its own protocol with `evaluate.benchmark_judge.url` naming the served verifier: the
+    annotator's system and user turns go to /v1/chat/completions, the preference comes from the first
+    token's top log-probs of m and M, and it equals the in-process engine's (the same SmolLM2, its
+    next-token distribution after the same chat template) on every prompt."""
+    from dynamicrubric.evaluation.alpaca_eval_judging import annotate, engine_label_logprobs
+    from dynamicrubric.evaluation.benchmark_runs import benchmark_judge, benchmark_prompts, judge_benchmarks
+
+    cfg = _cfg(
+        evaluate={
+            "benchmarks": [{"name": "alpaca_eval", "prompts": 3, "protocol": "official"}],
+            "benchmark_judge": {"url": servers["verifier"]},
+        }
+    )
+    frame = benchmark_prompts(cfg)["alpaca_eval"]
+    answers = pd.DataFrame(
+        [
+            {"benchmark": "alpaca_eval", "id": i, "who": who, "response": f"A short answer by {who}."}
+            for i in frame["id"]
+            for who in ("policy", "base")
+        ]
+    )
+    judge = benchmark_judge(cfg, lambda ref: pytest.fail(f"no model may load in process: {ref}"), "unused")
+    try:
+        results = judge_benchmarks(cfg, {"alpaca_eval": frame}, answers, judge, seed=0)
+    finally:
+        judge.close()
+    rows = {(b, m): v for b, m, v in results.rows}
+    assert rows[("alpaca_eval", "n")] == 3 and rows[("alpaca_eval", "failed")] == 0
+    served = results.questions[results.questions["measure"] == "vs_baseline"].set_index("id")["p_yes"]
+    local = annotate(
+        list(frame["prompt"]),
+        list(frame["baseline"]),
+        ["A short answer by policy."] * len(frame),
+        engine_label_logprobs(hf),
+    )
+    for i, preference in zip(frame["id"], local["preference"], strict=True):
+        assert served[i] == pytest.approx(preference - 1, abs=2 * P_YES_TOL), i
