@@ -11,8 +11,9 @@ from dynamicrubric.localrun.task_monitor import PROGRESS_LINE
 from dynamicrubric.pipelines.run_plan import task_count
 
 TASK_LINE = re.compile(r"^\d\d:\d\d:\d\d done   (setup|r\d+) .+ +\d+\.\ds\b")
-# the round table (a line per round) and the guard's block (the same), their legend and where things are
-REPORT_MAX_LINES = 40
+# the round table (a line per round) and the guard's block (the same), their legend (a line per column
+# shown, the benchmarks' protocol included) and where things are
+REPORT_MAX_LINES = 41
 
 
 def _lines(text: str) -> list[str]:
