@@ -39,7 +39,8 @@ CHROMIUM_FLAGS = [
     "--enable-logging=stderr",
     "--v=0",
 ]
-SCREENSHOTS = Path(os.environ.get("DYNRUBRIC_SCREENSHOTS", "/tmp/dynrubric-screenshots"))
+SCREENSHOTS_ENV = "DYNRUBRIC_SCREENSHOTS"
+SCREENSHOTS = Path(os.environ.get(SCREENSHOTS_ENV, "/tmp/dynrubric-screenshots"))
 
 
 def _chromium() -> str:
@@ -253,6 +254,11 @@ def test_the_evaluate_stage_traces_through_an_mlflow_server(tiny_run, served, tm
                 assert a.name == tracking_records.GOLD_NAME
                 (r,) = [r for r in labelled if str(r["sample_idx"]) == a.metadata["sample_idx"]]
                 assert a.expectation.value == r["gold"]
+    if SCREENSHOTS_ENV not in os.environ:
+        return
+    # A picture of MLflow's own UI for a developer who asks for one (DYNRUBRIC_SCREENSHOTS=<folder>): it
+    # checks nothing of this project's that the API checks above do not, and how long MLflow's UI takes
+    # to settle on a loaded 2-core CI machine (past 180 s, --timeout notwithstanding) is not its business.
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     shot = SCREENSHOTS / "mlflow-traces.png"
     proc = chromium(
