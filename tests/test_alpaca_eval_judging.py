@@ -152,11 +152,12 @@ def test_an_in_process_engine_judges_through_the_annotator(engine):
 
 
 def test_outputs_whose_lengths_never_differ_get_no_lc_and_say_why():
-    """alpaca_eval divides each length difference by their spread: with one difference everywhere (two
-    policies that answer alike) its fit would fail on NaN; the scores say why there is no LC instead."""
+    """Without df_gamed.csv, alpaca_eval divides each length difference by their spread: with every pair
+    of the same length (two policies that answer alike) that is 0/0 and its fit fails on NaN; the scores
+    say why there is no LC instead."""
     judge, _ = _biased_judge()
     instructions, _, policy = _pairs(60)
     same_length = [text.replace("policy", "common") for text in policy]
     scores = alpaca_eval_scores(annotate(instructions, same_length, policy, judge))
     assert scores.length_controlled_winrate is None and scores.lc_minimal is None
-    assert "length term is undefined" in scores.lc_note and scores.n == 60
+    assert "length term is 0/0" in scores.lc_note and scores.n == 60

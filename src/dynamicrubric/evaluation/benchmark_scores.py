@@ -225,14 +225,14 @@ def alpaca_eval_scores(
         note = f"too few prompts: n={len(judged)}, the LC needs at least {min_n}"
         return _scores(raw, len(judged), failed, lc=None, minimal=None, note=note, gamed=None)
 
-    delta = judged["output_1"].str.len() - judged["output_2"].str.len()
-    if not delta.std() > 0:  # alpaca_eval divides the length difference by its spread: NaN, and its fit fails
+    gamed_path, missing = find_df_gamed(df_gamed, download=download)
+    if gamed_path is None and (judged["output_1"].str.len() == judged["output_2"].str.len()).all():
+        # The minimal formula divides each length difference by their spread: 0/0, and its fit fails on NaN
+        # (with df_gamed.csv the gamed baselines' rows give the spread).
         raw = glm.get_winrate(judged)
-        note = "every pair's outputs differ in length by the same amount: the LC's length term is undefined"
+        note = "every pair's two outputs have the same length: lc_minimal's length term is 0/0"
         log.warning("AlpacaEval 2: no LC: %s", note)
         return _scores(raw, len(judged), failed, lc=None, minimal=None, note=note, gamed=None)
-
-    gamed_path, missing = find_df_gamed(df_gamed, download=download)
     if gamed_path is None:
         log.warning("AlpacaEval 2: %s (%s)", LACKS_GAMED, missing)
         # alpaca_eval reads df_gamed.csv even for the minimal formula, which uses none of it but the
