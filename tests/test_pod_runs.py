@@ -23,12 +23,18 @@ pytestmark = pytest.mark.skipif(pod_isolation_problem() is not None, reason=str(
 
 @pytest.fixture
 def s3_mount():
-    """The pods' /s3 mount point (KFP's images have one): made here if missing, removed after."""
-    made = not S3_MOUNT.exists()
-    S3_MOUNT.mkdir(exist_ok=True)
-    yield
-    if made:
-        S3_MOUNT.rmdir()
+    """The pods' /s3 mount point (KFP's images have one): made here if missing, removed after. It is the
+    machine's one folder, so one test at a time has it: a lock across pytest-xdist's workers (CI saw one
+    test's teardown find it not empty while another worker's pods ran)."""
+    import fcntl
+
+    with open("/tmp/dynrubric-s3-mount.lock", "w") as lock:  # beside /s3: one per machine
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        made = not S3_MOUNT.exists()
+        S3_MOUNT.mkdir(exist_ok=True)
+        yield
+        if made:
+            S3_MOUNT.rmdir()
 
 
 def _run_as_pods(
