@@ -240,7 +240,8 @@ def judge_benchmarks(
                 {(name, i, "baseline"): text for i, text in zip(frame["id"], frame["baseline"], strict=True)}
             )
     comparisons = [c for c in COMPARISONS if first_round or c[0] != "p0_vs_baseline"]
-    official = {b.name for b in cfg.evaluate.benchmarks if b.protocol == "official" and b.name in prompts}
+    specs = {b.name: b for b in cfg.evaluate.benchmarks if b.name in prompts}
+    official = {name for name, spec in specs.items() if spec.protocol == "official"}
     asked = []
     for name, frame in prompts.items():
         if name in official:
@@ -256,13 +257,12 @@ def judge_benchmarks(
     questions = pd.DataFrame(asked, columns=columns)
     verdicts = judge.ask(list(zip(questions["context"], questions["question"], strict=True))) if asked else []
     questions["p_yes"] = np.asarray(verdicts, float)
-    protocols = {b.name: b.protocol for b in cfg.evaluate.benchmarks if b.name in prompts}
+    protocols = {name: spec.protocol for name, spec in specs.items()}
     results = BenchmarkResults(questions, by, judge.label, protocols)
     for name, frame in prompts.items():
         mine = questions[questions["benchmark"] == name]
         if name in official:
-            spec = next(b for b in cfg.evaluate.benchmarks if b.name == name)
-            _alpaca_eval_official(results, frame, comparisons, judge, spec.df_gamed, seed)
+            _alpaca_eval_official(results, frame, comparisons, judge, specs[name].df_gamed, seed)
         elif BENCHMARKS[name].kind == "pairwise":
             for measure, who, _ in comparisons:
                 _pairwise(results, name, frame, mine[mine["measure"] == measure], measure, who, seed)
