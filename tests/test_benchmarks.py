@@ -9,6 +9,7 @@ answer, one whose calls fail.
 
 from __future__ import annotations
 
+import ast
 import html
 import json
 import math
@@ -33,6 +34,7 @@ from dynamicrubric.evaluation.benchmark_runs import (
     judge_benchmarks,
 )
 from dynamicrubric.evaluation.benchmark_scores import length_controlled_win_rate, pairwise_outcomes
+from dynamicrubric.evaluation.writingbench_scores import writingbench_module
 from dynamicrubric.infra.config_loading import load_config
 
 # The two answers of a pairwise question's context (prompts.PAIRWISE_CONTEXT), which ends the prefix;
@@ -264,6 +266,9 @@ class _Handler(BaseHTTPRequestHandler):
         top = self.server.reply(body["messages"][-1]["content"])
         if top is None:
             return self._send(500, {"error": {"message": "overloaded"}})
+        if isinstance(top, str):  # a whole reply (a critic's), not a first token's log-probs
+            choice = {"index": 0, "message": {"role": "assistant", "content": top}, "finish_reason": "stop"}
+            return self._send(200, {"choices": [choice]})
         logprobs = {
             "content": [
                 {
@@ -494,6 +499,121 @@ def test_alpaca_eval_official_through_a_chat_endpoint_counts_a_failed_call(monke
     assert [m["role"] for m in body["messages"]] == ["system", "user"]
     assert body["top_logprobs"] == 20 and body["max_tokens"] == 1
     assert rows[("benchmark_judge", "calls_missing_label_tokens")] == 2  # vs the baseline, vs P_0
+    server.shutdown()
+
+
+class Terse(Planted):
+    def answer(self, prompt: str, sample: int) -> str:
+        return "ok."
+
+
+CRITIC_RESPONSE = re.compile(r"\*\* Response \*\*\n```(.*?)```", re.S)
+CRITIC_CRITERIA = re.compile(r"\*\* Criteria \*\*\n```(.*?)```", re.S)
+CRITIC_QUERY = re.compile(r"\*\* Query \*\*\n```(.*?)```", re.S)
+
+
+def _critic_reply(text: str, attempt_of: dict) -> str:
+    """WritingBench's critic (a stand-in): 8 for a long answer, 3 for a terse one, as upstream's JSON; for
+    the first criterion of every checklist the first reply does not parse (asked again, then scored); for
+    the second, no reply ever parses (never a score)."""
+    criteria = ast.literal_eval(CRITIC_CRITERIA.search(text).group(1))
+    response = CRITIC_RESPONSE.search(text).group(1)
+    key = (criteria["name"], CRITIC_QUERY.search(text).group(1), response)
+    attempt_of[key] = attempt_of.get(key, 0) + 1
+    if criteria["name"] == "FIRST" and attempt_of[key] == 1:
+        return "The response is fine, I would say 7."
+    if criteria["name"] == "SECOND":
+        return '{"score": "eight", "reason": "a word, not an integer"}'
+    score = 8 if response.startswith("word ") else 3
+    return f'```json\n{{"score": {score}, "reason": "r"}}\n```'
+
+
+def _checklists_named(prompts: dict) -> None:
+    """The first two criteria of each WritingBench query renamed FIRST and SECOND (the critic's cue)."""
+    frame = prompts["writingbench"]
+    renamed = []
+    for checklist in frame["checklist"]:
+        items = [dict(c, item=dict(c["item"])) for c in checklist]
+        for c, name in zip(items, ("FIRST", "SECOND"), strict=False):
+            c["name"] = c["item"]["name"] = name
+        renamed.append(items)
+    frame["checklist"] = renamed
+
+
+class Critic(Planted):
+    def __init__(self, model_ref: str) -> None:
+        super().__init__(model_ref)
+        self.attempt_of: dict = {}
+        self.prompts: list[str] = []
+
+    def answer(self, prompt: str, sample: int) -> str:
+        self.prompts.append(prompt)
+        return _critic_reply(prompt, self.attempt_of)
+
+
+def test_writingbench_official_scores_each_criterion_1_to_10_by_upstreams_critic_and_parser():
+    """Every criterion's whole item (its five score bands) goes to the critic in upstream's prompt; a reply
+    that does not parse is asked again (three tries, upstream's max_retries) and one that never parses is
+    no score; the score is the mean criterion score ÷ 10, as upstream's calculate_scores averages."""
+    cfg = _cfg([{"name": "writingbench", "prompts": 3, "protocol": "official", "judge_max_tokens": 300}])
+    prompts = benchmark_prompts(cfg)
+    _checklists_named(prompts)
+    engines = {"P_t": Verbose("P_t"), "P_0": Terse("P_0"), "V": Critic("V")}
+    answers = benchmark_answers(cfg, prompts, engines.__getitem__, policy="P_t", base="P_0", seed=0)
+    judge = benchmark_judge(cfg, engines.__getitem__, verifier="V")
+    results = judge_benchmarks(cfg, prompts, answers, judge, seed=0)
+    rows = {(b, m): v for b, m, v in results.rows}
+    assert rows[("writingbench", "score")] == pytest.approx(0.8)
+    assert rows[("writingbench", "score_p0")] == pytest.approx(0.3)
+    assert rows[("writingbench", "score_vs_p0")] == pytest.approx(0.5)
+    assert rows[("writingbench", "n")] == 3 and rows[("writingbench", "failed")] == 0
+    assert rows[("writingbench", "failed_criteria")] == 3  # SECOND, once per query (P_t's answers)
+    asked = results.questions[results.questions["benchmark"] == "writingbench"]
+    criteria = sum(len(c) for c in prompts["writingbench"]["checklist"])
+    assert len(asked) == 2 * criteria and asked["p_yes"].isna().sum() == 6  # SECOND for P_t's and P_0's
+    # FIRST: 2 tries (scored on the second); SECOND: 3 tries (never scored); the others: 1
+    assert len(engines["V"].prompts) == 2 * criteria + 2 * 3 * (1 + 2)
+    sent = engines["V"].prompts[0]
+    system = writingbench_module("prompt").evaluate_system
+    assert system in sent and "'9-10': " in sent and "'criteria_description': " in sent
+    assert results.protocols == {"writingbench": "official"}
+
+
+def test_writingbench_official_through_a_chat_endpoint_samples_as_upstream_and_counts_failed_calls(
+    monkeypatch,
+):
+    """The critic's system and user turns go to the endpoint with upstream's sampling (temperature 1.0,
+    top_p 0.95, the configured max tokens); a call that fails after the client's retries is not asked again
+    and is no score."""
+    monkeypatch.setenv("JUDGE_KEY", "secret")
+    attempt_of: dict = {}
+
+    def reply(text: str):
+        return None if "fail me" in text else _critic_reply(text, attempt_of)
+
+    server = _ChatServer(reply)
+    cfg = _cfg(
+        [{"name": "writingbench", "prompts": 2, "protocol": "official", "judge_max_tokens": 512}],
+        url=server.url,
+        api_key_env="JUDGE_KEY",
+        served_model="gpt-4.1",
+    )
+    cfg = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"deadline_s": 2.0})})
+    prompts = benchmark_prompts(cfg)
+    _checklists_named(prompts)
+    frame = prompts["writingbench"]
+    frame.loc[frame.index[0], "prompt"] = "fail me: " + frame.loc[frame.index[0], "prompt"]
+    engines = {"P_t": Verbose("P_t"), "P_0": Terse("P_0")}
+    answers = benchmark_answers(cfg, prompts, engines.__getitem__, policy="P_t", base="P_0", seed=0)
+    results = judge_benchmarks(cfg, prompts, answers, benchmark_judge(cfg, engines.__getitem__, "V"), seed=0)
+    rows = {(b, m): v for b, m, v in results.rows}
+    assert rows[("writingbench", "n")] == 1 and rows[("writingbench", "failed")] == 1
+    assert rows[("writingbench", "score")] == pytest.approx(0.8)
+    failed_calls = 2 * len(frame["checklist"].iloc[0])  # the first query's criteria, P_t's and P_0's
+    assert rows[("benchmark_judge", "calls_http_error")] == failed_calls
+    body = server.requests[-1][1]
+    assert [m["role"] for m in body["messages"]] == ["system", "user"]
+    assert (body["temperature"], body["top_p"], body["max_tokens"]) == (1.0, 0.95, 512)
     server.shutdown()
 
 

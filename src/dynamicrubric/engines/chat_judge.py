@@ -10,7 +10,8 @@ probability 0; a reply with neither is a failed call (`missing_label_tokens`), a
 fails after its retries: its P(yes) is NaN, counted in the ledger, never a verdict.
 
 `label_logprobs` asks the same way for a benchmark's own labels (AlpacaEval 2's m and M), the messages sent
-as the benchmark's annotator writes them (a system turn included).
+as the benchmark's annotator writes them (a system turn included); `chat_replies` takes a whole sampled reply
+(WritingBench's critic, which writes a JSON score and its reason).
 """
 
 from __future__ import annotations
@@ -139,6 +140,44 @@ class ChatJudge(Engine, ServedClient):
                 "temperature": 0.0,
                 "logprobs": True,
                 "top_logprobs": TOP_LOGPROBS,
+            }
+            return self._request("POST", "/v1/chat/completions", body, parse=parse, end=end), 1
+
+        with bar_or(None, len(conversations), desc) as progress:
+            return self._map(one, conversations, progress)
+
+    def chat_replies(
+        self,
+        conversations: list[list[dict[str, str]]],
+        *,
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+        seed: int,
+        desc: str = "judge",
+    ) -> list[str | None]:
+        """Each conversation's whole reply text (sampled with these settings; `seed` where the endpoint takes
+        one), or None where the call failed: what a benchmark's own critic writes before it is parsed
+        (evaluation/writingbench_scores.py). A reply cut at `max_tokens` is returned as it is: the
+        benchmark's parser decides whether it holds a score."""
+        end = self._call_end()
+
+        def parse(answer: dict) -> str:
+            choice = checked_choices(answer, 1)[0]
+            reply_finish_reasons([choice])
+            content = (choice.get("message") or {}).get("content")
+            if not isinstance(content, str):
+                raise RequestLost("malformed", "a reply without its message's text", False)
+            return content
+
+        def one(messages: list[dict[str, str]]) -> tuple[str | None, int]:
+            body = {
+                "model": self.served_model,
+                "messages": messages,
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                "top_p": top_p,
+                "seed": seed,
             }
             return self._request("POST", "/v1/chat/completions", body, parse=parse, end=end), 1
 

@@ -10,10 +10,12 @@ benchmark_scores.py):
   yes/no question; the score is the mean P(yes) per criterion (0–1), not WritingBench's 1–10 critic score.
 
 That is the quick protocol, named as "not comparable with the benchmark's leaderboard" wherever its numbers
-are shown. A benchmark configured with `protocol: official` is judged by its own protocol instead: so far
-AlpacaEval 2, by alpaca_eval's annotator (alpaca_eval_judging.py) and metrics (one seeded order per
+are shown. A benchmark configured with `protocol: official` is judged by its own protocol instead:
+AlpacaEval 2 by alpaca_eval's annotator (alpaca_eval_judging.py) and metrics (one seeded order per
 instruction, a continuous preference from the judge's m/M log-probabilities, the LC where df_gamed.csv is at
-hand).
+hand); WritingBench by its strict critic (writingbench_scores.py: each criterion's whole item with its five
+score bands, a sampled JSON reply with a 1–10 score, asked again while it does not parse, and the mean over
+every scored criterion, shown as a fraction: ×100 is the leaderboard's 0–100).
 
 The judge is `evaluate.benchmark_judge`: a model run in this process, or an OpenAI-compatible chat
 endpoint (`url`, `served_model`, `api_key_env`: GPT-4.1 for the paper's re-judging). By default it is the
@@ -44,6 +46,7 @@ from dynamicrubric.evaluation.benchmark_scores import (
     pairwise_summary,
 )
 from dynamicrubric.evaluation.benchmarks import BENCHMARKS, BenchmarkError, benchmark_subset, load_benchmark
+from dynamicrubric.evaluation.writingbench_scores import CRITIC_SAMPLING, ask_critic, writingbench_scores
 from dynamicrubric.infra.config import Config
 from dynamicrubric.scoring.prompts import (
     PAIRWISE_QUESTION,
@@ -90,6 +93,22 @@ class Judge:
         if isinstance(self.engine, ChatJudge):
             return self.engine.label_logprobs(conversations, labels, desc="benchmark judge")
         return engine_label_logprobs(self.engine)(conversations, labels)
+
+    def chat_replies(
+        self, conversations: list[list[dict[str, str]]], *, max_tokens: int, seed: int, **sampling: float
+    ) -> list[str | None]:
+        """Each conversation's reply, sampled (`temperature`, `top_p`), None where the call failed: what a
+        benchmark's own critic writes (the official protocol). Seeded per conversation: the same reply for
+        the same seed and conversation order."""
+        if isinstance(self.engine, ChatJudge):
+            return self.engine.chat_replies(
+                conversations, max_tokens=max_tokens, seed=seed, desc="benchmark judge", **sampling
+            )
+        prompts = [self.engine.chat_prompt(c, enable_thinking=False) for c in conversations]
+        generations = self.engine.generate(
+            prompts, max_new_tokens=max_tokens, seed=seed, desc="benchmark judge", **sampling
+        )
+        return [g.texts[0] for g in generations]
 
     def calls(self) -> dict[str, int]:
         ledger = getattr(self.engine, "ledger", None)
@@ -261,8 +280,10 @@ def judge_benchmarks(
     results = BenchmarkResults(questions, by, judge.label, protocols)
     for name, frame in prompts.items():
         mine = questions[questions["benchmark"] == name]
-        if name in official:
+        if name == "alpaca_eval" and name in official:
             _alpaca_eval_official(results, frame, comparisons, judge, specs[name].df_gamed, seed)
+        elif name == "writingbench" and name in official:
+            _writingbench_official(results, frame, judge, specs[name].judge_max_tokens, seed)
         elif BENCHMARKS[name].kind == "pairwise":
             for measure, who, _ in comparisons:
                 _pairwise(results, name, frame, mine[mine["measure"] == measure], measure, who, seed)
@@ -392,6 +413,73 @@ def _alpaca_eval_official(
         results.units.append(_units(name, f"win{suffix}", ids, preferred))
         rows += [(name, i, measure, 0, "", "", ANNOTATOR, p) for i, p in zip(ids, preferred, strict=True)]
     asked = pd.DataFrame(rows, columns=[*results.questions.columns[:7], "p_yes"])
+    results.questions = pd.concat([results.questions, asked], ignore_index=True)
+
+
+WRITINGBENCH_CRITIC = "WritingBench's critic (1-10 per criterion)"
+
+
+def _writingbench_official(
+    results: BenchmarkResults, frame: pd.DataFrame, judge: Judge, max_tokens: int, seed: int
+) -> None:
+    """WritingBench by its own protocol (writingbench_scores.py): every criterion of each query's checklist
+    scored 1–10 by the critic for P_t's answer and for P_0's. Rows as the quick protocol's names, the score
+    as a fraction (the 1–10 mean ÷ 10: ×100 is the leaderboard's number), intervals over queries. The questions table gets one row per criterion, the
+    score ÷ 10 as its p_yes (NaN: failed)."""
+    name = "writingbench"
+    items = pd.DataFrame(
+        [
+            (row.id, who, c["name"], c.get("item", c), row.prompt, results.answers[(name, row.id, who)])
+            for who in WHO
+            for row in frame.itertuples(index=False)
+            for c in row.checklist
+        ],
+        columns=["index", "who", "name", "criterion", "query", "response"],
+    )
+
+    def ask(conversations: list[list[dict[str, str]]], attempt: int) -> list[str | None]:
+        return judge.chat_replies(
+            conversations, max_tokens=max_tokens, seed=seed + attempt, **CRITIC_SAMPLING
+        )
+
+    judged = ask_critic(items, ask) if len(items) else items.assign(reply=[], score=[], tries=[])
+    per_query = {}
+    for who, suffix in (("policy", ""), ("base", "_p0")):
+        mine = judged[judged["who"] == who].drop(columns="criterion").rename(columns={"name": "criterion"})
+        scores = writingbench_scores(mine)
+        per_query[who] = pd.Series(scores.per_query, dtype=float).reindex(frame["id"]) / 10
+        low, high = bootstrap_interval(per_query[who].dropna().to_numpy(), seed)
+        results.rows += [
+            (name, f"score{suffix}", scores.score / 10),
+            (name, f"score{suffix}_lo", low),
+            (name, f"score{suffix}_hi", high),
+        ]
+        if who == "policy":  # failed: queries left without any score; failed_criteria: every unscored one
+            results.rows += [
+                (name, "n", float(scores.queries)),
+                (name, "failed", float(len(frame) - scores.queries)),
+                (name, "failed_criteria", float(scores.failed)),
+            ]
+    diff = (per_query["policy"] - per_query["base"]).dropna()
+    low, high = bootstrap_interval(diff.to_numpy(), seed)
+    results.rows += [
+        (name, "score_vs_p0", float(diff.mean()) if len(diff) else float("nan")),
+        (name, "score_vs_p0_lo", low),
+        (name, "score_vs_p0_hi", high),
+    ]
+    results.units.append(_units(name, "score", per_query["policy"].index, per_query["policy"].to_numpy()))
+    asked = pd.DataFrame(
+        {
+            "benchmark": name,
+            "id": judged["index"],
+            "measure": judged["who"],
+            "order": 0,
+            "criterion": judged["name"],
+            "context": "",
+            "question": WRITINGBENCH_CRITIC,
+            "p_yes": pd.to_numeric(judged["score"], errors="coerce").astype(float) / 10,
+        }
+    )
     results.questions = pd.concat([results.questions, asked], ignore_index=True)
 
 

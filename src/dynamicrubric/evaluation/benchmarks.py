@@ -130,7 +130,10 @@ def _writingbench() -> pd.DataFrame:
             "category": [f"{r['domain1']}/{r['lang']}" for r in rows],
             "prompt": [r["query"] for r in rows],
             "checklist": [
-                [{"name": c["name"], "description": c["criteria_description"]} for c in r["checklist"]]
+                [
+                    {"name": c["name"], "description": c["criteria_description"], "item": c}
+                    for c in r["checklist"]
+                ]
                 for r in rows
             ],
         }
@@ -188,7 +191,7 @@ def _criteria(name: str, checklist: object) -> list[dict]:
             out.append({"name": c, "description": c})
         elif isinstance(c, dict) and (c.get("description") or c.get("criteria_description")):
             text = c.get("description") or c.get("criteria_description")
-            out.append({"name": str(c.get("name", text)), "description": str(text)})
+            out.append({"name": str(c.get("name", text)), "description": str(text), "item": c})
         else:
             raise BenchmarkError(
                 f"{name}: a checklist item must be a string or {{name, description}}, got {c!r}"

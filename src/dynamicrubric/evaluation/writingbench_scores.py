@@ -12,6 +12,10 @@ The critic prompt and the score calculation are read from the pinned llm-eval-fr
   a ```json fence stripped, else the first {...}; `score` an int, `reason` a string), and here also only
   an integer in 1–10 counts (the prompt asks for that range; upstream would average a 0 or a 42 in). A
   reply that does not parse is a failed call: counted, never a score.
+- The critic is asked as upstream's cli asks it by default (`--judge-temperature 1.0 --judge-top-p 0.95
+  --judge-max-tokens 2048`), and a reply that does not parse is asked again, three tries in all
+  (writingbench_task.run's max_retries); a call that failed in transport (after the client's own retries)
+  is not asked again: it is a failed call, left out.
 - The score is calculate_scores.read_scores_file's `overall_avg`: the mean over every scored criterion of
   every query (not the mean of the per-query means: a query with fewer scored criteria weighs less); a
   query with no scored criterion is left out. On 1–10; the leaderboard's 0–100 is that ×10.
@@ -23,6 +27,7 @@ import importlib.util
 import json
 import logging
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
@@ -31,6 +36,14 @@ from typing import Any
 import pandas as pd
 
 _FOLDER = ("tasks", "writingbench")
+CRITIC_SAMPLING = {
+    "temperature": 1.0,
+    "top_p": 0.95,
+}  # eval_framework's cli: --judge-temperature, --judge-top-p
+CRITIC_TRIES = 3  # writingbench_task.run(max_retries=3): an unparsed reply is asked again, three tries in all
+
+# The critic: (conversations, try number from 0) -> each conversation's reply text, None for a failed call.
+AskCritic = Callable[[list[list[dict[str, str]]], int], list[str | None]]
 log = logging.getLogger(__name__)
 
 
@@ -99,6 +112,32 @@ def parse_critic_reply(text: str | None) -> int | None:
     if not isinstance(score, int) or isinstance(score, bool) or not isinstance(data.get("reason"), str):
         return None
     return score if 1 <= score <= 10 else None
+
+
+def ask_critic(items: pd.DataFrame, ask: AskCritic) -> pd.DataFrame:
+    """`items` with one row per (query, criterion) to judge: `query`, `response` and `criterion` (the whole
+    checklist item), plus whatever columns the caller keeps. Returns them with the critic's last `reply`,
+    its parsed `score` (None where no try parsed or the call failed) and the `tries` it took."""
+    conversations = [
+        writingbench_critic_messages(q, r, c)
+        for q, r, c in zip(items["query"], items["response"], items["criterion"], strict=True)
+    ]
+    replies: list[str | None] = [None] * len(conversations)
+    scores: list[int | None] = [None] * len(conversations)
+    tries = [0] * len(conversations)
+    pending = list(range(len(conversations)))
+    for attempt in range(CRITIC_TRIES):
+        if not pending:
+            break
+        answered = ask([conversations[i] for i in pending], attempt)
+        again = []
+        for i, reply in zip(pending, answered, strict=True):
+            replies[i], tries[i] = reply, attempt + 1
+            scores[i] = parse_critic_reply(reply)
+            if scores[i] is None and reply is not None:  # unparsed: asked again; a failed call is not
+                again.append(i)
+        pending = again
+    return items.assign(reply=replies, score=pd.array(scores, dtype="Int64"), tries=tries)
 
 
 def writingbench_scores(criteria: pd.DataFrame) -> WritingBenchScores:

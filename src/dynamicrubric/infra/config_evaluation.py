@@ -78,8 +78,9 @@ class GuardConfig(Section):
 
 
 # The benchmarks whose own protocol (`protocol: official`) is implemented: AlpacaEval 2 by alpaca_eval's
-# annotator (evaluation/alpaca_eval_judging.py). The others are judged by the quick protocol only.
-OFFICIAL_PROTOCOL = ("alpaca_eval",)
+# annotator (evaluation/alpaca_eval_judging.py), WritingBench by its strict critic's 1-10 scores
+# (evaluation/writingbench_scores.py). The others are judged by the quick protocol only.
+OFFICIAL_PROTOCOL = ("alpaca_eval", "writingbench")
 
 
 class BenchmarkConfig(Section):
@@ -94,6 +95,9 @@ class BenchmarkConfig(Section):
     # AlpacaEval 2's df_gamed.csv (the instructions' difficulty and the gamed baselines its LC needs): a path,
     # "" for alpaca_eval's HF cache, "hub" to download it there. Without it the LC is reported as lc_minimal.
     df_gamed: str = ""
+    # The most tokens a judge's reply may have where the official protocol has it write one (WritingBench's
+    # critic: its JSON score and reason; upstream's judge-max-tokens is 2048).
+    judge_max_tokens: int = Field(2048, ge=1)
 
     @model_validator(mode="after")
     def _protocol_exists(self) -> BenchmarkConfig:

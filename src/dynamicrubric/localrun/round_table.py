@@ -46,7 +46,8 @@ LEGEND = [
     (
         "vs_baseline",
         "benchmarks: P_t's win rate over the benchmark's baseline answers, both orders judged, a split a tie "
-        "(WritingBench: P_t's mean P(yes) over each query's checklist); [lo, hi] a 95% bootstrap interval",
+        "(WritingBench: P_t's mean P(yes) over each query's checklist, or by its official protocol its critic's "
+        "mean 1-10 score / 10); [lo, hi] a 95% bootstrap interval",
     ),
     ("lc", "AlpacaEval 2's length-controlled win rate (its GLM without the instruction-difficulty term)"),
     ("vs_p0", "P_t's win rate over P_0's answers (WritingBench: P_t's score minus P_0's)"),
@@ -55,8 +56,8 @@ LEGEND = [
     (
         "protocol",
         "quick: the project's yes/no questions, not comparable with the benchmark's leaderboard; official: the "
-        "benchmark's own annotator and scoring (AlpacaEval 2: alpaca_eval's; its win rates x100 are the "
-        "leaderboard's)",
+        "benchmark's own annotator and scoring (AlpacaEval 2: alpaca_eval's; WritingBench: its critic's); "
+        "x100 these are the leaderboard's numbers",
     ),
 ]
 
