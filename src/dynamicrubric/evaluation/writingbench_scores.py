@@ -36,10 +36,10 @@ from typing import Any
 import pandas as pd
 
 _FOLDER = ("tasks", "writingbench")
-CRITIC_SAMPLING = {
-    "temperature": 1.0,
-    "top_p": 0.95,
-}  # eval_framework's cli: --judge-temperature, --judge-top-p
+# How upstream's command line samples the critic by default (--judge-temperature, --judge-top-p,
+# --judge-max-tokens).
+CRITIC_SAMPLING = {"temperature": 1.0, "top_p": 0.95}
+CRITIC_MAX_TOKENS = 2048
 CRITIC_TRIES = 3  # writingbench_task.run(max_retries=3): an unparsed reply is asked again, three tries in all
 
 # The critic: (conversations, try number from 0) -> each conversation's reply text, None for a failed call.

@@ -77,12 +77,6 @@ class GuardConfig(Section):
     gold_judge: JudgeSpec = JudgeSpec()
 
 
-# The benchmarks whose own protocol (`protocol: official`) is implemented: AlpacaEval 2 by alpaca_eval's
-# annotator (evaluation/alpaca_eval_judging.py), WritingBench by its strict critic's 1-10 scores
-# (evaluation/writingbench_scores.py). The others are judged by the quick protocol only.
-OFFICIAL_PROTOCOL = ("alpaca_eval", "writingbench")
-
-
 class BenchmarkConfig(Section):
     """One open-ended benchmark of the paper's policy table, judged every round (evaluation/benchmarks.py)."""
 
@@ -90,21 +84,21 @@ class BenchmarkConfig(Section):
     prompts: int | None = Field(None, ge=1)  # a seeded subset of this many prompts; None: all of them
     file: str = ""  # a file of the same shape (JSONL or Parquet, local or s3://) instead of the package's
     # quick: one yes/no question per order, P(yes) thresholded (evaluation/benchmark_runs.py), labelled "not
-    # comparable with the benchmark's leaderboard" wherever shown. official: the benchmark's own protocol.
+    # comparable with the benchmark's leaderboard" wherever shown. official: the benchmark's own protocol
+    # (evaluation/official_protocols.py: AlpacaEval 2's annotator, Arena-Hard v2.0's judge, WritingBench's critic).
     protocol: Literal["quick", "official"] = "quick"
     # AlpacaEval 2's df_gamed.csv (the instructions' difficulty and the gamed baselines its LC needs): a path,
     # "" for alpaca_eval's HF cache, "hub" to download it there. Without it the LC is reported as lc_minimal.
     df_gamed: str = ""
-    # The most tokens a judge's reply may have where the official protocol has it write one (WritingBench's
-    # critic: its JSON score and reason; upstream's judge-max-tokens is 2048).
-    judge_max_tokens: int = Field(2048, ge=1)
+    # The most tokens a judge's reply may have where the official protocol has it write one; None: the
+    # benchmark's own (Arena-Hard v2.0's judge 16,000, its answer and verdict; WritingBench's critic 2048).
+    judge_max_tokens: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
-    def _protocol_exists(self) -> BenchmarkConfig:
-        if self.protocol == "official" and self.name not in OFFICIAL_PROTOCOL:
+    def _settings_of_this_benchmark(self) -> BenchmarkConfig:
+        if self.judge_max_tokens is not None and self.name == "alpaca_eval":
             raise ValueError(
-                f"{self.name}: its official protocol is not implemented yet (official: {list(OFFICIAL_PROTOCOL)});"
-                " use protocol: quick"
+                "alpaca_eval: judge_max_tokens is for a judge that writes; AlpacaEval 2's reads one token"
             )
         if self.df_gamed and self.name != "alpaca_eval":
             raise ValueError(f"{self.name}: df_gamed is AlpacaEval 2's file, not this benchmark's")

@@ -213,7 +213,7 @@ def log_traced_sets(run: StageRun, sets: list[dict], round_idx: int) -> list[str
 
 
 def log_benchmark_pairs(run: StageRun, pairs: list[dict], round_idx: int) -> list[str]:
-    """Each judged benchmark prompt (benchmark_runs.BenchmarkResults.traced) as one MLflow trace of the
+    """Each judged benchmark prompt (benchmark_judge.BenchmarkResults.traced) as one MLflow trace of the
     stage's run: the prompt and the answers as the root span's inputs, a span per question with the
     judge's P(yes) as a Feedback (source LLM_JUDGE, the judge's label; a failed call as an error, never a
     verdict). Returns the trace ids."""

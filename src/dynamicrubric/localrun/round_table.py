@@ -49,7 +49,11 @@ LEGEND = [
         "(WritingBench: P_t's mean P(yes) over each query's checklist, or by its official protocol its critic's "
         "mean 1-10 score / 10); [lo, hi] a 95% bootstrap interval",
     ),
-    ("lc", "AlpacaEval 2's length-controlled win rate (its GLM without the instruction-difficulty term)"),
+    (
+        "lc",
+        "AlpacaEval 2's length-controlled win rate (quick protocol: its GLM without the instruction-difficulty "
+        "term); Arena-Hard v2.0 by its own protocol: its style-controlled score, where its tokens can be counted",
+    ),
     ("vs_p0", "P_t's win rate over P_0's answers (WritingBench: P_t's score minus P_0's)"),
     ("p0", "P_0's number against the baseline, as vs_baseline (win rates: judged in a run's first round)"),
     ("failed", "benchmark prompts with a failed judge call: left out of n, never a loss"),
@@ -93,11 +97,45 @@ def round_table(cfg: Config, parent_run_id: str) -> list[dict]:
                 "win_rate": _with_n(ev, "policy/win_rate", "policy/win_rate_prompts"),
                 **_guard_columns(cfg, ev, by_run.get("train-policy")),
                 "benchmarks": {
-                    b.name: _benchmark_cells(b.name, b.protocol, ev) for b in cfg.evaluate.benchmarks
+                    key: cells for b in cfg.evaluate.benchmarks for key, cells in _benchmark_lines(b, ev)
                 },
             }
         )
     return table
+
+
+# Arena-Hard v2.0's categories, each scored apart under its own protocol (evaluation/arena_hard_scores.py).
+ARENA_HARD_CATEGORIES = {"hard_prompt": "hard prompts", "creative_writing": "creative writing"}
+
+
+def _benchmark_lines(benchmark, ev: dict) -> list[tuple[str, dict]]:
+    """A configured benchmark's lines of the round table, keyed: one, or under Arena-Hard's own protocol one
+    per category (its score against the category's baseline; its style-controlled score in the lc column)."""
+    name, protocol = benchmark.name, benchmark.protocol
+    if not (name == "arena_hard_v2" and protocol == "official"):
+        return [(name, _benchmark_cells(name, protocol, ev))]
+    from dynamicrubric.evaluation.benchmarks import BENCHMARKS
+
+    lines = []
+    for category, label in ARENA_HARD_CATEGORIES.items():
+        count = ev.get(f"{name}/n_{category}")
+        failed = ev.get(f"{name}/failed_{category}")
+        lines.append(
+            (
+                f"{name}/{category}",
+                {
+                    "benchmark": f"{BENCHMARKS[name].title} {label}",
+                    "vs_baseline": _interval_text(ev, f"{name}/score_{category}", signed=False),
+                    "lc": ev.get(f"{name}/style_controlled_{category}"),
+                    "vs_p0": None,
+                    "p0": ev.get(f"{name}/score_{category}_p0"),
+                    "n": None if count is None else int(count),
+                    "failed": None if failed is None else int(failed),
+                    "protocol": protocol,
+                },
+            )
+        )
+    return lines
 
 
 def _benchmark_cells(name: str, protocol: str, ev: dict) -> dict:
@@ -275,7 +313,7 @@ def format_cell(value) -> str:
 def report(cfg: Config, result: LocalRun, page: str = "") -> str:
     """What `dynrubric run` prints at the end: the round table with its legend, where everything is
     (`page`: the run report page), and whether anything ran at all."""
-    from dynamicrubric.evaluation.benchmark_runs import judge_label
+    from dynamicrubric.evaluation.benchmark_judge import judge_label
     from dynamicrubric.evaluation.probe import ACTION_WORDS
     from dynamicrubric.pipelines.run_plan import guard_action
 

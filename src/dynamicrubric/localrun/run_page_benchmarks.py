@@ -6,23 +6,34 @@ interval and n; beside it P_t against P_0. The numbers are the evaluate stage's 
 from __future__ import annotations
 
 import html
+import re
 
 from dynamicrubric.evaluation.benchmark_runs import PROTOCOL_LABELS
 from dynamicrubric.evaluation.benchmarks import BENCHMARKS
 
-# (column heading, benchmark, metric): the paper's columns, each against the benchmark's baseline.
+# (column heading, benchmark, metric, the protocol it is measured under: "" either): the paper's columns, each
+# against the benchmark's baseline. Arena-Hard's own protocol scores each category apart (never pooled).
 COLUMNS = (
-    ("AlpacaEval 2 LC", "alpaca_eval", "lc_win_rate"),
-    ("AlpacaEval 2 WR", "alpaca_eval", "win_rate"),
-    ("Arena-Hard v2.0", "arena_hard_v2", "win_rate"),
-    ("WritingBench", "writingbench", "score"),
+    ("AlpacaEval 2 LC", "alpaca_eval", "lc_win_rate", ""),
+    ("AlpacaEval 2 WR", "alpaca_eval", "win_rate", ""),
+    ("Arena-Hard v2.0", "arena_hard_v2", "win_rate", "quick"),
+    ("Arena-Hard v2.0 hard prompts", "arena_hard_v2", "score_hard_prompt", "official"),
+    (
+        "Arena-Hard v2.0 hard prompts, style-controlled",
+        "arena_hard_v2",
+        "style_controlled_hard_prompt",
+        "official",
+    ),
+    ("Arena-Hard v2.0 creative writing", "arena_hard_v2", "score_creative_writing", "official"),
+    ("WritingBench", "writingbench", "score", ""),
 )
 # P_t against P_0, the paper's comparison of a trained policy with where it started.
 VERSUS_P0 = (
-    ("AlpacaEval 2", "alpaca_eval", "win_rate_vs_p0"),
-    ("Arena-Hard v2.0", "arena_hard_v2", "win_rate_vs_p0"),
-    ("WritingBench (P_t − P_0)", "writingbench", "score_vs_p0"),
+    ("AlpacaEval 2", "alpaca_eval", "win_rate_vs_p0", ""),
+    ("Arena-Hard v2.0", "arena_hard_v2", "win_rate_vs_p0", "quick"),
+    ("WritingBench (P_t − P_0)", "writingbench", "score_vs_p0", ""),
 )
+_CATEGORY = re.compile(r"_(hard_prompt|creative_writing)$")  # an Arena-Hard category's own n
 
 
 def _cell(metrics: dict, name: str, metric: str) -> dict | None:
@@ -31,7 +42,11 @@ def _cell(metrics: dict, name: str, metric: str) -> dict | None:
     if key not in metrics:
         return None
     suffix = next((s for s in ("_vs_p0", "_p0") if metric.endswith(s)), "")
-    n_key = f"{name}/n" + (suffix if BENCHMARKS[name].kind == "pairwise" else "")
+    category = _CATEGORY.search(metric.removesuffix("_p0"))
+    if category:
+        n_key = f"{name}/n_{category.group(1)}{suffix}"
+    else:
+        n_key = f"{name}/n" + (suffix if BENCHMARKS[name].kind == "pairwise" else "")
     return {
         "value": metrics[key],
         "lo": metrics.get(f"{key}_lo"),
@@ -43,8 +58,8 @@ def _cell(metrics: dict, name: str, metric: str) -> dict | None:
 def table_data(evaluate_metrics: dict[int, dict], judge: str, configured: dict[str, str]) -> dict:
     """The table's rows from each round's evaluate metrics ({round: metrics}); P_0's row from the first
     round that judged it (its `_p0` numbers). `configured`: each benchmark's protocol, by name."""
-    columns = [c for c in COLUMNS if c[1] in configured]
-    versus = [c for c in VERSUS_P0 if c[1] in configured]
+    columns = [(h, n, m) for h, n, m, p in COLUMNS if n in configured and p in ("", configured[n])]
+    versus = [(h, n, m) for h, n, m, p in VERSUS_P0 if n in configured and p in ("", configured[n])]
     rows = []
     first = next((m for _, m in sorted(evaluate_metrics.items()) if any(k.endswith("_p0") for k in m)), None)
     if first is not None:
@@ -87,8 +102,9 @@ def section(data: dict | None) -> str:
     out = [
         f"<p>Judged by <b>{e(data['judge'])}</b>. Under the quick protocol, win rates count a split verdict (the "
         "judge changed its mind when the answers swapped places) as a tie, half a win; a prompt whose judge call failed is left "
-        "out of n, never a loss. WritingBench is the mean P(yes) over each query's checklist (0–1), not "
-        "its 1–10 critic score.</p>",
+        "out of n, never a loss. Under it WritingBench is the mean P(yes) over each query's checklist (0–1); "
+        "under its own protocol, its critic's mean 1–10 score ÷ 10, and Arena-Hard v2.0 each category's score "
+        "apart (its 5%–95% interval, as upstream prints it). ×100 the official numbers are the leaderboards'.</p>",
         '<ul class="protocols">'
         + "".join(f"<li>{e(title)}: {e(label)}</li>" for title, label in data.get("protocols", {}).items())
         + "</ul>",

@@ -10,7 +10,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from dynamicrubric.evaluation.benchmark_runs import judge_label
+from dynamicrubric.evaluation.benchmark_judge import judge_label
 from dynamicrubric.evaluation.plots import TRACED_SETS
 from dynamicrubric.infra import tracking
 from dynamicrubric.infra.config import Config
