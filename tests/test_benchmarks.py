@@ -185,7 +185,7 @@ def test_a_judge_that_prefers_the_first_position_is_neutralised_by_the_swap():
     rows, _, judge = _run(cfg, {"P_t": Verbose("P_t"), "P_0": Verbose("P_0"), "V": first})
     for name in ("alpaca_eval", "arena_hard_v2"):
         assert rows[(name, "win_rate")] == 0.5 and rows[(name, "ties")] == 5 and rows[(name, "n")] == 5
-    assert judge.label == "V (V, the frozen verifier)"
+    assert judge.label == "V (V, the verifier the policy trained against: not independent)"
 
 
 def _prefers_longer(a: str, b: str) -> float:
@@ -341,6 +341,8 @@ def test_the_benchmarks_judged_through_a_chat_endpoint_name_it_in_every_row(monk
 
 # ---- the tiny run: the printed table, MLflow and the run page say the same
 
+V_LABEL = "V (tiny-random, the verifier the policy trained against: not independent)"
+
 
 class _BenchmarkCells(HTMLParser):
     """The run page's benchmark cells: (table, model, column) -> value."""
@@ -400,18 +402,17 @@ def test_the_tiny_run_reports_each_benchmark_per_round_alike_in_its_table_mlflow
             assert row.split()[-3:] == [str(int(n)), str(int(metrics[f"{name}/failed"])), "quick"], row
             assert page.cells[("cells", f"P_{t} (round {t})", column)] == pytest.approx(value)
     for run in runs:  # each round's evaluate run traced judged benchmark prompts, naming the judge
-        assert run.data.tags["benchmark_judge"] == "V (tiny-random, the frozen verifier)"
+        assert (
+            run.data.tags["benchmark_judge"] == V_LABEL
+            and run.data.tags["benchmark_judge_independent"] == "false"
+        )
         assert all(run.data.tags[f"benchmark_protocol/{name}"] == PROTOCOL_LABELS["quick"] for name in names)
         traces = client.search_traces(
             locations=[experiment], filter_string=f"metadata.mlflow.sourceRun = '{run.info.run_id}'"
         )
         benchmark = [tr for tr in traces if tr.data.spans[0].name.startswith("benchmark ")]
         assert len(benchmark) == run.data.metrics["traced_benchmark_prompts"] > 0
-        assert all(
-            a.source.source_id == "V (tiny-random, the frozen verifier)"
-            for tr in benchmark
-            for a in tr.info.assessments
-        )
+        assert all(a.source.source_id == V_LABEL for tr in benchmark for a in tr.info.assessments)
 
 
 # ---- AlpacaEval 2 by its own protocol (alpaca_eval's annotator; evaluation/alpaca_eval_judging.py)
@@ -783,6 +784,29 @@ def test_arena_hard_by_its_own_protocol_reaches_the_page_per_category():
     assert "official protocol" in page
     quick = table_data({1: {"arena_hard_v2/win_rate": 0.5}}, "V", {"arena_hard_v2": "quick"})
     assert quick["columns"] == ["Arena-Hard v2.0"] and quick["versus"] == ["Arena-Hard v2.0"]
+
+
+def test_a_judge_is_named_not_independent_where_it_is_v():
+    """V's numbers are not independent of training: its label says so wherever it is shown; another model,
+    or an endpoint other than the verifier's, is named as it is."""
+    from dynamicrubric.evaluation.benchmark_judge import judge_independent, judge_label
+
+    v = _cfg([])
+    assert not judge_independent(v) and judge_label(v).endswith(
+        "the verifier the policy trained against: not independent)"
+    )
+    other = _cfg([], model="smollm2-135m-instruct")
+    assert judge_independent(other) and judge_label(other) == "smollm2-135m-instruct"
+    same = _cfg([], model="tiny-random")  # the tiny preset's verifier, named as the judge
+    assert not judge_independent(same) and "not independent" in judge_label(same)
+    served = load_config(
+        preset="tiny",
+        overrides={
+            "models": {"verifier_url": "http://v:8000/v1"},
+            "evaluate": {"benchmark_judge": {"url": "http://v:8000/v1/", "served_model": "v"}},
+        },
+    )
+    assert not judge_independent(served) and judge_label(served).startswith("V (v at http://v:8000/v1,")
 
 
 def test_settings_of_another_benchmark_are_refused_in_one_line():

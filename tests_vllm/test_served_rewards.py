@@ -268,7 +268,8 @@ def test_the_benchmark_judge_through_a_chat_endpoint_judges_a_benchmark_subset(s
     """`evaluate.benchmark_judge.url` naming a real OpenAI-compatible server (the served verifier): the
     questions go to /v1/chat/completions, P(yes) comes from the first token's top log-probs, and every
     call is in the ledger."""
-    from dynamicrubric.evaluation.benchmark_runs import benchmark_judge, benchmark_prompts, judge_benchmarks
+    from dynamicrubric.evaluation.benchmark_judge import benchmark_judge
+    from dynamicrubric.evaluation.benchmark_runs import benchmark_prompts, judge_benchmarks
 
     cfg = _cfg(
         evaluate={
@@ -306,7 +307,8 @@ def test_alpaca_eval_official_through_a_chat_endpoint_matches_the_in_process_jud
     token's top log-probs of m and M, and it equals the in-process engine's (the same SmolLM2, its
     next-token distribution after the same chat template) on every prompt."""
     from dynamicrubric.evaluation.alpaca_eval_judging import annotate, engine_label_logprobs
-    from dynamicrubric.evaluation.benchmark_runs import benchmark_judge, benchmark_prompts, judge_benchmarks
+    from dynamicrubric.evaluation.benchmark_judge import benchmark_judge
+    from dynamicrubric.evaluation.benchmark_runs import benchmark_prompts, judge_benchmarks
 
     cfg = _cfg(
         evaluate={
@@ -338,3 +340,61 @@ def test_alpaca_eval_official_through_a_chat_endpoint_matches_the_in_process_jud
     )
     for i, preference in zip(frame["id"], local["preference"], strict=True):
         assert served[i] == pytest.approx(preference - 1, abs=2 * P_YES_TOL), i
+
+
+def test_arena_hard_and_writingbench_official_through_a_chat_endpoint(servers, hf) -> None:
+    """Arena-Hard's judge and WritingBench's critic through the served verifier's /v1/chat/completions: the
+    system and user turns go as they are and a whole reply comes back (greedy, Arena-Hard's sampling: the
+    same text the in-process engine writes after the same chat template); SmolLM2's short replies hold no
+    verdict and no JSON score, so every Arena-Hard question and WritingBench query is counted as failed,
+    each unparsed critic reply asked three times, and every call is in the ledger."""
+    from dynamicrubric.evaluation.arena_hard_judging import JUDGE_SAMPLING, game_messages
+    from dynamicrubric.evaluation.benchmark_judge import Judge, benchmark_judge
+    from dynamicrubric.evaluation.benchmark_runs import benchmark_prompts, judge_benchmarks
+    from dynamicrubric.evaluation.writingbench_scores import CRITIC_TRIES
+
+    cfg = _cfg(
+        evaluate={
+            "benchmarks": [
+                {"name": "arena_hard_v2", "prompts": 2, "protocol": "official", "judge_max_tokens": 12},
+                {"name": "writingbench", "prompts": 1, "protocol": "official", "judge_max_tokens": 12},
+            ],
+            "benchmark_judge": {"url": servers["verifier"]},
+        }
+    )
+    prompts = benchmark_prompts(cfg)
+    # short texts: the real questions and baseline answers pass the servers' 2048-token context
+    prompts["arena_hard_v2"]["prompt"] = "Name a colour."
+    prompts["arena_hard_v2"]["baseline"] = "Blue."
+    prompts["writingbench"]["prompt"] = "Write one line about tea."
+    answers = pd.DataFrame(
+        [
+            {"benchmark": name, "id": i, "who": who, "response": f"A short answer by {who}."}
+            for name, frame in prompts.items()
+            for i in frame["id"]
+            for who in ("policy", "base")
+        ]
+    )
+    judge = benchmark_judge(cfg, lambda ref: pytest.fail(f"no model may load in process: {ref}"), "unused")
+    try:
+        conversation = game_messages("hard_prompt", "Name a colour.", "Blue.", "Red.")
+        served = judge.chat_replies([conversation], max_tokens=8, seed=0, **JUDGE_SAMPLING)
+        local = Judge("in process", hf, own=False).chat_replies(
+            [conversation], max_tokens=8, seed=0, **JUDGE_SAMPLING
+        )
+        assert served == local and served[0].strip(), (served, local)
+        results = judge_benchmarks(cfg, prompts, answers, judge, seed=0, first_round=True)
+    finally:
+        judge.close()
+    rows = {(b, m): v for b, m, v in results.rows}
+    assert rows[("arena_hard_v2", "n")] + rows[("arena_hard_v2", "failed")] == 2
+    assert rows[("writingbench", "n")] + rows[("writingbench", "failed")] == 1
+    asked = results.questions[results.questions["benchmark"] == "writingbench"]
+    criteria, unscored = len(asked), int(asked["p_yes"].isna().sum())  # P_t's and P_0's
+    assert criteria == 2 * len(prompts["writingbench"]["checklist"].iloc[0])
+    # every call answered: the listing, the check above, 2 games x 2 questions x (P_t, P_0), and the critic's
+    # tries (an unscored criterion was asked CRITIC_TRIES times, a scored one at most that often)
+    critic_calls = rows[("benchmark_judge", "calls_ok")] - (1 + 1 + 8)
+    low = criteria + (CRITIC_TRIES - 1) * unscored
+    assert low <= critic_calls <= low + (CRITIC_TRIES - 1) * (criteria - unscored), (critic_calls, low)
+    assert rows.get(("benchmark_judge", "calls_http_error"), 0) == 0

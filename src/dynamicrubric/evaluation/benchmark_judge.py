@@ -38,6 +38,7 @@ class Judge:
     label: str
     engine: Engine
     own: bool  # the judge's engine was made for the benchmarks (close it after), not taken from the pool
+    independent: bool = False  # another model than V, whose verdicts trained the policy (judge_independent)
 
     def ask(self, pairs: list[tuple[str, str]]) -> list[float]:
         """P(yes) per (context, question), NaN where the call failed."""
@@ -79,22 +80,32 @@ class Judge:
             self.engine.close()
 
 
-def judge_label(cfg: Config, verifier: str = "") -> str:
-    """How every table names the benchmark judge (`evaluate.benchmark_judge`)."""
+def judge_independent(cfg: Config) -> bool:
+    """Whether the benchmark judge is another model than V, the verifier whose verdicts trained the policy:
+    only then are its numbers independent of training."""
     jc = cfg.evaluate.benchmark_judge
     if jc.url:
-        return f"{jc.served_model or 'the model served'} at {jc.url}"
-    return jc.model or f"V ({verifier or cfg.models.verifier}, the frozen verifier)"
+        return jc.url.rstrip("/") != (cfg.models.verifier_url or "").rstrip("/")
+    return bool(jc.model) and jc.model != cfg.models.verifier
+
+
+def judge_label(cfg: Config, verifier: str = "") -> str:
+    """How every table names the benchmark judge (`evaluate.benchmark_judge`), saying so where it is V."""
+    jc = cfg.evaluate.benchmark_judge
+    label = f"{jc.served_model or 'the model served'} at {jc.url}" if jc.url else jc.model
+    if judge_independent(cfg):
+        return label
+    return f"V ({label or verifier or cfg.models.verifier}, the verifier the policy trained against: not independent)"
 
 
 def benchmark_judge(cfg: Config, get_engine: Callable[[str], Engine], verifier: str) -> Judge:
     """The configured benchmark judge; the frozen verifier `verifier`, taken from the stage's pool, when
     `evaluate.benchmark_judge` names none."""
     jc = cfg.evaluate.benchmark_judge
-    label = judge_label(cfg, verifier)
+    label, independent = judge_label(cfg, verifier), judge_independent(cfg)
     if jc.url:
-        return Judge(label, load_judge(jc, cfg, role="benchmark judge"), own=True)
-    return Judge(label, get_engine(jc.model or verifier), own=False)
+        return Judge(label, load_judge(jc, cfg, role="benchmark judge"), own=True, independent=independent)
+    return Judge(label, get_engine(jc.model or verifier), own=False, independent=independent)
 
 
 @dataclass
@@ -105,6 +116,7 @@ class BenchmarkResults:
     answers: dict[tuple[str, str, str], str]  # (benchmark, id, who) -> the answer; who "baseline" too
     judge: str
     protocols: dict[str, str] = field(default_factory=dict)  # benchmark -> quick | official
+    judge_independent: bool = False  # Judge.independent
     rows: list[tuple[str, str, float]] = field(default_factory=list)  # (benchmark, metric, value)
     units: list[pd.DataFrame] = field(default_factory=list)  # variant, measure, unit_id, value
 
@@ -131,6 +143,7 @@ class BenchmarkResults:
             "benchmark": name,
             "id": prompt_id,
             "judge": self.judge,
+            "judge_independent": self.judge_independent,
             "protocol": self.protocols.get(name, "quick"),
             "answers": {
                 w: self.answers[(name, prompt_id, w)]

@@ -154,7 +154,7 @@ def judge_benchmarks(
     verdicts = judge.ask(list(zip(questions["context"], questions["question"], strict=True))) if asked else []
     questions["p_yes"] = np.asarray(verdicts, float)
     protocols = {name: spec.protocol for name, spec in specs.items()}
-    results = BenchmarkResults(questions, by, judge.label, protocols)
+    results = BenchmarkResults(questions, by, judge.label, protocols, judge_independent=judge.independent)
     for name, frame in prompts.items():
         mine = questions[questions["benchmark"] == name]
         if name == "alpaca_eval" and name in official:

@@ -172,7 +172,13 @@ def _evaluate_lineage(run, run_name: str, round_idx: int, values: dict, result: 
         ids = tracking_records.log_benchmark_pairs(run, pairs, round_idx)
         run.log_metrics({"traced_benchmark_prompts": len(ids)})
         if pairs:
-            run.set_tags({"benchmark_judge": pairs[0]["judge"]})
+            independent = pairs[0].get("judge_independent", False)
+            run.set_tags(
+                {
+                    "benchmark_judge": pairs[0]["judge"],
+                    "benchmark_judge_independent": str(independent).lower(),
+                }
+            )
             run.set_tags(
                 {
                     f"benchmark_protocol/{p['benchmark']}": PROTOCOL_LABELS[p.get("protocol", "quick")]
