@@ -553,6 +553,9 @@ class Critic(Planted):
         self.prompts.append(prompt)
         return _critic_reply(prompt, self.attempt_of)
 
+    def p_yes(self, response: str, item: str) -> float:  # a quick protocol's question beside
+        return 0.5
+
 
 def test_writingbench_official_scores_each_criterion_1_to_10_by_upstreams_critic_and_parser():
     """Every criterion's whole item (its five score bands) goes to the critic in upstream's prompt; a reply
@@ -807,6 +810,32 @@ def test_a_judge_is_named_not_independent_where_it_is_v():
         },
     )
     assert not judge_independent(served) and judge_label(served).startswith("V (v at http://v:8000/v1,")
+
+
+class Thinker(Planted):
+    def answer(self, prompt: str, sample: int) -> str:
+        return "<think>\nThe judge must never read this.\n</think>\n\nword word word"
+
+
+def test_the_judge_never_sees_a_policys_thinking():
+    """A thinking policy's <think> block is dropped before any benchmark question is asked, by either
+    protocol; the answers table keeps what the policy wrote."""
+    cfg = _cfg(
+        [
+            {"name": "alpaca_eval", "prompts": 2},
+            {"name": "writingbench", "prompts": 1, "protocol": "official"},
+        ]
+    )
+    prompts = benchmark_prompts(cfg)
+    critic = Critic("V")
+    engines = {"P_t": Thinker("P_t"), "P_0": Terse("P_0"), "V": critic}
+    answers = benchmark_answers(cfg, prompts, engines.__getitem__, policy="P_t", base="P_0", seed=0)
+    assert answers[answers["who"] == "policy"]["response"].str.startswith("<think>").all()
+    results = judge_benchmarks(cfg, prompts, answers, benchmark_judge(cfg, engines.__getitem__, "V"), seed=0)
+    asked = results.questions[results.questions["benchmark"] == "alpaca_eval"]
+    assert len(asked) and not asked["context"].str.contains("must never read").any()
+    assert critic.prompts and not any("must never read" in p for p in critic.prompts)
+    assert any("word word word" in p for p in critic.prompts)
 
 
 def test_settings_of_another_benchmark_are_refused_in_one_line():

@@ -125,9 +125,13 @@ def judge_benchmarks(
     *,
     first_round: bool = False,
 ) -> BenchmarkResults:
-    """Every benchmark's questions in one call to the judge, then its numbers (module docstring)."""
+    """Every benchmark's questions in one call to the judge, then its numbers (module docstring). The judge
+    never sees a policy's thinking: a `<think>…</think>` block is dropped from each answer first, as the
+    benchmarks' own code drops it (eval_framework's strip_think_tags); the answers table keeps it."""
+    from eval_framework.utils import strip_think_tags  # eval_framework/utils.py imports only tqdm
+
     by = {
-        (b, i, w): text
+        (b, i, w): strip_think_tags(text) if "<think>" in text else text
         for b, i, w, text in answers[["benchmark", "id", "who", "response"]].itertuples(index=False)
     }
     for name, frame in prompts.items():
