@@ -347,7 +347,8 @@ def test_arena_hard_and_writingbench_official_through_a_chat_endpoint(servers, h
     system and user turns go as they are and a whole reply comes back (greedy, Arena-Hard's sampling: the
     same text the in-process engine writes after the same chat template); SmolLM2's short replies hold no
     verdict and no JSON score, so every Arena-Hard question and WritingBench query is counted as failed,
-    each unparsed critic reply asked three times, and every call is in the ledger."""
+    each unparsed critic reply asked three times, a prompt over the context a failed call asked once, and
+    every call is in the ledger."""
     from dynamicrubric.evaluation.arena_hard_judging import JUDGE_SAMPLING, game_messages
     from dynamicrubric.evaluation.benchmark_judge import Judge, benchmark_judge
     from dynamicrubric.evaluation.benchmark_runs import benchmark_prompts, judge_benchmarks
@@ -392,9 +393,14 @@ def test_arena_hard_and_writingbench_official_through_a_chat_endpoint(servers, h
     asked = results.questions[results.questions["benchmark"] == "writingbench"]
     criteria, unscored = len(asked), int(asked["p_yes"].isna().sum())  # P_t's and P_0's
     assert criteria == 2 * len(prompts["writingbench"]["checklist"].iloc[0])
-    # every call answered: the listing, the check above, 2 games x 2 questions x (P_t, P_0), and the critic's
-    # tries (an unscored criterion was asked CRITIC_TRIES times, a scored one at most that often)
+    # every call answered but the critic's prompts over the servers' 2048-token context (HTTP 400: failed,
+    # never asked again): the listing, the check above, 2 games x 2 questions x (P_t, P_0), and the critic's
+    # tries (an unparsed reply asked CRITIC_TRIES times in all, a scored criterion at most that often)
+    failed = int(rows.get(("benchmark_judge", "calls_http_error"), 0))
     critic_calls = rows[("benchmark_judge", "calls_ok")] - (1 + 1 + 8)
-    low = criteria + (CRITIC_TRIES - 1) * unscored
-    assert low <= critic_calls <= low + (CRITIC_TRIES - 1) * (criteria - unscored), (critic_calls, low)
-    assert rows.get(("benchmark_judge", "calls_http_error"), 0) == 0
+    low = (criteria - failed) + (CRITIC_TRIES - 1) * (unscored - failed)
+    assert low <= critic_calls <= low + (CRITIC_TRIES - 1) * (criteria - unscored), (
+        critic_calls,
+        low,
+        failed,
+    )

