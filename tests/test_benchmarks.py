@@ -838,6 +838,34 @@ def test_the_judge_never_sees_a_policys_thinking():
     assert any("word word word" in p for p in critic.prompts)
 
 
+@pytest.mark.parametrize(
+    "name, rows, message",
+    [
+        ("alpaca_eval", [{"id": "q1", "prompt": "p", "baseline": "b"}], "ids alpaca_eval-NNN); got id 'q1'"),
+        (
+            "arena_hard_v2",
+            [{"prompt": "p", "baseline": "b", "category": "math"}],
+            "got category 'math'",
+        ),
+        (
+            "writingbench",
+            [{"prompt": "p", "checklist": [{"name": "clear", "description": "Is it clear?"}]}],
+            "criterion 'clear' of writingbench-0000 lacks ['1-2', '3-4', '5-6', '7-8', '9-10']",
+        ),
+    ],
+)
+def test_prompts_an_official_protocol_cannot_judge_are_refused_before_any_answer(
+    tmp_path, name, rows, message
+):
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _cfg([{"name": name, "file": str(path), "protocol": "official"}])
+    with pytest.raises(benchmarks.BenchmarkError, match=re.escape(message)):
+        benchmark_prompts(cfg)
+    quick = _cfg([{"name": name, "file": str(path)}])
+    assert len(benchmark_prompts(quick)[name]) == 1  # the quick protocol takes them
+
+
 def test_settings_of_another_benchmark_are_refused_in_one_line():
     with pytest.raises(ValueError, match="arena_hard_v2: df_gamed is AlpacaEval 2's file"):
         _cfg([{"name": "arena_hard_v2", "prompts": 2, "df_gamed": "hub"}])

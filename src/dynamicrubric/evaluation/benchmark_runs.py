@@ -48,6 +48,7 @@ from dynamicrubric.evaluation.benchmarks import BENCHMARKS, benchmark_subset, lo
 from dynamicrubric.evaluation.official_protocols import (
     alpaca_eval_official,
     arena_hard_official,
+    check_prompts,
     writingbench_official,
 )
 from dynamicrubric.evaluation.writingbench_scores import (
@@ -74,11 +75,15 @@ PROTOCOL_LABELS = {
 
 
 def benchmark_prompts(cfg: Config) -> dict[str, pd.DataFrame]:
-    """Each configured benchmark's seeded subset (the same prompts every round)."""
-    return {
+    """Each configured benchmark's seeded subset (the same prompts every round), checked for its protocol."""
+    prompts = {
         b.name: benchmark_subset(load_benchmark(b.name, b.file), b.prompts, cfg.seed)
         for b in cfg.evaluate.benchmarks
     }
+    for b in cfg.evaluate.benchmarks:
+        if b.protocol == "official":
+            check_prompts(b.name, prompts[b.name])  # before any answer is generated
+    return prompts
 
 
 def benchmark_answers(

@@ -24,6 +24,7 @@ import pandas as pd
 from dynamicrubric.evaluation.alpaca_eval_judging import ANNOTATOR, annotate
 from dynamicrubric.evaluation.arena_hard_judging import JUDGE_SAMPLING, judge_games
 from dynamicrubric.evaluation.arena_hard_scores import (
+    BASELINES,
     ArenaHardError,
     answer_style,
     arena_hard_scores,
@@ -39,6 +40,37 @@ log = logging.getLogger(__name__)
 
 
 ALPACA_EVAL_ID = re.compile(r"alpaca_eval-(\d+)")
+WRITINGBENCH_BANDS = ("1-2", "3-4", "5-6", "7-8", "9-10")
+
+
+def check_prompts(name: str, frame: pd.DataFrame) -> None:
+    """Refuse, in one line and before any answer is generated, prompts a benchmark's own protocol cannot
+    judge: AlpacaEval 2 looks each instruction's difficulty up by its place among its 805 (ids
+    alpaca_eval-NNN); Arena-Hard v2.0 scores its two categories against their own baselines; WritingBench's
+    critic reads each criterion's five score bands."""
+    if name == "alpaca_eval":
+        bad = [i for i in frame["id"] if not ALPACA_EVAL_ID.fullmatch(str(i))]
+        if bad:
+            raise BenchmarkError(
+                f"alpaca_eval: the official protocol looks each instruction's difficulty up by its place in "
+                f"AlpacaEval's 805 (ids alpaca_eval-NNN); got id {bad[0]!r}. Use protocol: quick for other prompts"
+            )
+    elif name == "arena_hard_v2":
+        unknown = sorted(set(frame["category"]) - set(BASELINES))
+        if unknown:
+            raise BenchmarkError(
+                f"arena_hard_v2: the official protocol scores the categories {sorted(BASELINES)} against their "
+                f"own baselines; got category {unknown[0]!r}. Use protocol: quick for other prompts"
+            )
+    elif name == "writingbench":
+        for row in frame.itertuples(index=False):
+            for c in row.checklist:
+                lacking = [b for b in WRITINGBENCH_BANDS if b not in c.get("item", {})]
+                if lacking:
+                    raise BenchmarkError(
+                        f"writingbench: the official critic reads each criterion's score bands; criterion "
+                        f"{c['name']!r} of {row.id} lacks {lacking}. Use protocol: quick for other checklists"
+                    )
 
 
 def alpaca_eval_official(
@@ -56,14 +88,9 @@ def alpaca_eval_official(
     questions table gets one row per prompt and comparison: the annotator's question, the preference for
     the judged answer (preference - 1) as its p_yes."""
     name = "alpaca_eval"
+    check_prompts(name, frame)
     ids = list(frame["id"])
     positions = [ALPACA_EVAL_ID.fullmatch(str(i)) for i in ids]
-    if not all(positions):
-        bad = next(i for i, p in zip(ids, positions, strict=True) if not p)
-        raise BenchmarkError(
-            f"alpaca_eval: the official protocol looks each instruction's difficulty up by its place in "
-            f"AlpacaEval's 805 (ids alpaca_eval-NNN); got id {bad!r}. Use protocol: quick for other prompts"
-        )
     rows = []
     for measure, who, against in comparisons:
         annotations = annotate(
