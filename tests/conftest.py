@@ -79,6 +79,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         group = next((g for f, g in SHARED_FIXTURE_GROUPS.items() if f in item.fixturenames), None)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+            # a whole pipeline run or the MLflow server's three processes: never part of `make test-fast`
+            item.add_marker(pytest.mark.slow)
 
     def rank(item: pytest.Item) -> int:
         name = item.nodeid.rsplit("/", 1)[-1]
