@@ -585,6 +585,21 @@ def test_writingbench_official_scores_each_criterion_1_to_10_by_upstreams_critic
     assert results.protocols == {"writingbench": "official"}
 
 
+def _judged_with_a_failing_first_prompt(cfg, name: str, prepare=None):
+    """`name` judged through cfg's endpoint (a 2 s deadline) with its first prompt marked "fail me" for the
+    stand-in to refuse; P_t and P_0 planted. Returns the rows, the results and that benchmark's prompts."""
+    cfg = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"deadline_s": 2.0})})
+    prompts = benchmark_prompts(cfg)
+    if prepare is not None:
+        prepare(prompts)
+    frame = prompts[name]
+    frame.loc[frame.index[0], "prompt"] = "fail me: " + frame.loc[frame.index[0], "prompt"]
+    engines = {"P_t": Verbose("P_t"), "P_0": Terse("P_0")}
+    answers = benchmark_answers(cfg, prompts, engines.__getitem__, policy="P_t", base="P_0", seed=0)
+    results = judge_benchmarks(cfg, prompts, answers, benchmark_judge(cfg, engines.__getitem__, "V"), seed=0)
+    return {(b, m): v for b, m, v in results.rows}, results, frame
+
+
 def test_writingbench_official_through_a_chat_endpoint_samples_as_upstream_and_counts_failed_calls(
     monkeypatch,
 ):
@@ -604,15 +619,7 @@ def test_writingbench_official_through_a_chat_endpoint_samples_as_upstream_and_c
         api_key_env="JUDGE_KEY",
         served_model="gpt-4.1",
     )
-    cfg = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"deadline_s": 2.0})})
-    prompts = benchmark_prompts(cfg)
-    _checklists_named(prompts)
-    frame = prompts["writingbench"]
-    frame.loc[frame.index[0], "prompt"] = "fail me: " + frame.loc[frame.index[0], "prompt"]
-    engines = {"P_t": Verbose("P_t"), "P_0": Terse("P_0")}
-    answers = benchmark_answers(cfg, prompts, engines.__getitem__, policy="P_t", base="P_0", seed=0)
-    results = judge_benchmarks(cfg, prompts, answers, benchmark_judge(cfg, engines.__getitem__, "V"), seed=0)
-    rows = {(b, m): v for b, m, v in results.rows}
+    rows, _, frame = _judged_with_a_failing_first_prompt(cfg, "writingbench", _checklists_named)
     assert rows[("writingbench", "n")] == 1 and rows[("writingbench", "failed")] == 1
     assert rows[("writingbench", "score")] == pytest.approx(0.8)
     failed_calls = 2 * len(frame["checklist"].iloc[0])  # the first query's criteria, P_t's and P_0's
@@ -738,14 +745,7 @@ def test_arena_hard_official_through_a_chat_endpoint_samples_as_upstream_and_cou
         api_key_env="JUDGE_KEY",
         served_model="gpt-4.1",
     )
-    cfg = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"deadline_s": 2.0})})
-    prompts = benchmark_prompts(cfg)
-    frame = prompts["arena_hard_v2"]
-    frame.loc[frame.index[0], "prompt"] = "fail me: " + frame.loc[frame.index[0], "prompt"]
-    engines = {"P_t": Verbose("P_t"), "P_0": Terse("P_0")}
-    answers = benchmark_answers(cfg, prompts, engines.__getitem__, policy="P_t", base="P_0", seed=0)
-    results = judge_benchmarks(cfg, prompts, answers, benchmark_judge(cfg, engines.__getitem__, "V"), seed=0)
-    rows = {(b, m): v for b, m, v in results.rows}
+    rows, _, _ = _judged_with_a_failing_first_prompt(cfg, "arena_hard_v2")
     assert rows[("arena_hard_v2", "n")] == 3 and rows[("arena_hard_v2", "failed")] == 1
     assert rows[("benchmark_judge", "calls_http_error")] == 2  # both games of the failed question
     body = server.requests[-1][1]
